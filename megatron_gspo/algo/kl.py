@@ -1,0 +1,32 @@
+"""KL estimators between the policy and a reference (Schulman, "Approximating KL divergence", 2020).
+
+With ``log_ratio = ref - lp`` (log of ref/policy for a token sampled from the policy):
+
+* k1 = ``lp - ref`` (unbiased, high variance, can be negative)
+* k2 = ``(lp - ref)^2 / 2``
+* k3 = ``exp(ref - lp) - (ref - lp) - 1`` (unbiased, non-negative)
+
+The log ratio is clamped to ``[-KL_LOG_RATIO_CLAMP, KL_LOG_RATIO_CLAMP]`` *before* ``exp``: an
+output-only clamp leaves ``0 * inf = NaN`` in the backward when ``ref - lp`` is huge (pitfall 16 of
+the design notes; verl clamps the input at 20).
+"""
+
+from __future__ import annotations
+
+import torch
+
+KL_LOG_RATIO_CLAMP = 20.0
+
+
+def kl_estimate(
+    log_probs: torch.Tensor, ref_log_probs: torch.Tensor, estimator: str
+) -> torch.Tensor:
+    """Per-token KL estimate, same shape as the inputs."""
+    log_ratio = (ref_log_probs - log_probs).clamp(-KL_LOG_RATIO_CLAMP, KL_LOG_RATIO_CLAMP)
+    if estimator == "k1":
+        return -log_ratio
+    if estimator == "k2":
+        return 0.5 * log_ratio.square()
+    if estimator == "k3":
+        return torch.exp(log_ratio) - log_ratio - 1.0
+    raise ValueError(f"unknown KL estimator {estimator!r}; known: k1, k2, k3")

@@ -1,0 +1,280 @@
+"""Policy losses: GSPO, GSPO-token and GRPO/PPO, with aggregation over global denominators.
+
+Shapes: ``B`` sequences, ``T`` (padded) response tokens. ``log_probs``, ``old_log_probs``,
+``response_mask``, optional ``ref_log_probs`` and ``entropy`` are ``[B, T]``; advantages are
+``[B]`` (one per sequence) or ``[B, T]`` (per token). ``m`` is the mask, ``n_i = sum_t m_it`` the
+response length of sequence i.
+
+Importance ratios, selected by ``importance_sampling`` (the one switch between the algorithms):
+
+* ``seq`` (GSPO, arXiv 2507.18071 eq. 5-7):
+  ``s_i = exp(clamp((1/n_i) sum_t m_it (lp_it - lp_old_it)))``, one ratio per sequence; its gradient
+  flows through the whole sequence mean.
+* ``seq_token`` (GSPO-token, eq. 13-14): ``s_it = exp(lp_it - sg(lp_it) + sg(log s_i))``; value
+  ``s_i``, gradient ``s_i * grad lp_it``. With one advantage per sequence and seq-mean-token-mean it
+  equals GSPO in value and gradient; with per-token advantages it weighs each token by its own
+  advantage, which GSPO cannot.
+* ``token`` (GRPO/PPO): ``r_it = exp(clamp(lp_it - lp_old_it))``.
+
+Per token: ``pg = max(-A r, -A clip(r, 1 - eps_low, 1 + eps_high))``; with dual clip (Ye et al.
+2020) ``pg = min(pg, -c A)`` where ``A < 0``. The token loss is
+``L = pg + kl_coef * KL(lp, ref) - entropy_coef * H`` and is aggregated by ``loss_agg_mode``:
+
+* ``token-mean``: ``sum_it m L / N_tok``
+* ``seq-mean-token-sum``: ``sum_it m L / N_seq``
+* ``seq-mean-token-mean``: ``sum_i (sum_t m L / n_i) / N_seq``
+* ``seq-mean-token-sum-norm`` (Dr.GRPO): ``sum_it m L / (N_seq * T_norm)`` with ``T_norm`` a
+  constant (the configured response length), not the padded width, which changes with packing.
+
+``N_seq`` (sequences with at least one response token), ``N_tok`` (response tokens) and ``n_i`` are
+*global* for the optimizer step: callers pass them all-reduced over data (and context) parallel
+ranks, so summing this loss over micro-batches and ranks gives the exact loss of the whole batch
+and the gradient does not depend on how the batch was cut (pitfall 5).
+
+Context parallel: each rank holds some tokens of every sequence. With ``sequence_group`` set, the
+per-sequence sums ``sum_t m (lp - lp_old)`` are formed locally and combined by one differentiable
+all-reduce per micro-batch, so every rank sees the exact ``s_i`` and gradients reach every rank's
+tokens; ``n_i`` must then be the full lengths.
+
+Metrics are 0-d tensors pre-normalised for SUM reduction across micro-batches and ranks (token
+metrics divided by ``N_tok``, sequence metrics by ``N_seq`` with each sequence's tokens weighted
+``1/n_i``), except names ending in ``_max``, which reduce with MAX.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Optional, Union
+
+import torch
+import torch.distributed as dist
+
+from megatron_gspo.algo.kl import kl_estimate
+
+Number = Union[float, int, torch.Tensor]
+
+
+def _masked(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    # where, not multiply: a masked -inf log-prob times 0 would be NaN.
+    return torch.where(mask, values, torch.zeros_like(values))
+
+
+def sequence_log_ratio(
+    log_probs: torch.Tensor,
+    old_log_probs: torch.Tensor,
+    mask: torch.Tensor,
+    lengths: torch.Tensor,
+    sequence_group: Optional[dist.ProcessGroup] = None,
+) -> torch.Tensor:
+    """``(1/n_i) sum_t m (lp - lp_old)`` ``[B]``; summed over ``sequence_group`` (differentiable)."""
+    local_sums = _masked(log_probs - old_log_probs, mask).sum(dim=-1)
+    if sequence_group is not None and dist.get_world_size(sequence_group) > 1:
+        from torch.distributed.nn.functional import all_reduce
+
+        local_sums = all_reduce(local_sums, op=dist.ReduceOp.SUM, group=sequence_group)
+    return local_sums / lengths.clamp(min=1)
+
+
+def sequence_ratio(log_probs, old_log_probs, mask, lengths, clamp, sequence_group):
+    """GSPO: ``s_i`` expanded to ``[B, T]``; returns ``(ratio, log s_i [B])``."""
+    log_ratio = sequence_log_ratio(log_probs, old_log_probs, mask, lengths, sequence_group)
+    clamped = log_ratio.clamp(-clamp, clamp)
+    return torch.exp(clamped).unsqueeze(-1).expand_as(log_probs), log_ratio
+
+
+def sequence_token_ratio(log_probs, old_log_probs, mask, lengths, clamp, sequence_group):
+    """GSPO-token: ``exp(lp - sg(lp) + sg(log s_i))``; returns ``(ratio, log s_i [B])``."""
+    with torch.no_grad():
+        log_ratio = sequence_log_ratio(log_probs, old_log_probs, mask, lengths, sequence_group)
+    # Clamp the whole token log ratio (not only its stop-gradient part), so that beyond the clamp
+    # the gradient stops exactly where GSPO's does and the two stay equal.
+    token_log_ratio = _masked(log_probs - log_probs.detach(), mask) + log_ratio.unsqueeze(-1)
+    return torch.exp(token_log_ratio.clamp(-clamp, clamp)), log_ratio
+
+
+def token_ratio(log_probs, old_log_probs, mask, lengths, clamp, sequence_group):
+    """GRPO/PPO: ``exp(lp - lp_old)`` per token; returns ``(ratio, sequence mean log ratio [B])``."""
+    with torch.no_grad():
+        log_ratio = sequence_log_ratio(log_probs, old_log_probs, mask, lengths, sequence_group)
+    token_log_ratio = _masked(log_probs - old_log_probs, mask).clamp(-clamp, clamp)
+    return torch.exp(token_log_ratio), log_ratio
+
+
+RATIO_FUNCTIONS: dict[str, Callable] = {
+    "seq": sequence_ratio,
+    "seq_token": sequence_token_ratio,
+    "token": token_ratio,
+}
+
+
+def aggregate(
+    values: torch.Tensor,
+    mask: torch.Tensor,
+    mode: str,
+    *,
+    lengths: torch.Tensor,
+    num_sequences: Number,
+    num_tokens: Number,
+    norm_length: Number,
+) -> torch.Tensor:
+    """Aggregate per-token ``values [B, T]`` by ``mode`` (see the module docstring)."""
+    masked = _masked(values, mask)
+    if mode == "token-mean":
+        return masked.sum() / num_tokens
+    if mode == "seq-mean-token-sum":
+        return masked.sum() / num_sequences
+    if mode == "seq-mean-token-mean":
+        return (masked.sum(dim=-1) / lengths.clamp(min=1)).sum() / num_sequences
+    if mode == "seq-mean-token-sum-norm":
+        return masked.sum() / (num_sequences * norm_length)
+    raise ValueError(
+        f"unknown loss_agg_mode {mode!r}; known: token-mean, seq-mean-token-sum, "
+        "seq-mean-token-mean, seq-mean-token-sum-norm"
+    )
+
+
+def policy_loss(
+    log_probs: torch.Tensor,
+    old_log_probs: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    *,
+    importance_sampling: str,
+    clip_low: float,
+    clip_high: float,
+    loss_agg_mode: str,
+    dual_clip_constant: Optional[float] = None,
+    ref_log_probs: Optional[torch.Tensor] = None,
+    kl_coef: float = 0.0,
+    kl_estimator: str = "k3",
+    entropy: Optional[torch.Tensor] = None,
+    entropy_coef: float = 0.0,
+    num_sequences: Optional[Number] = None,
+    num_tokens: Optional[Number] = None,
+    sequence_lengths: Optional[torch.Tensor] = None,
+    norm_length: Optional[Number] = None,
+    log_ratio_clamp: float = 10.0,
+    sequence_group: Optional[dist.ProcessGroup] = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Clipped policy-gradient loss (GSPO / GSPO-token / GRPO) and its metrics.
+
+    Args:
+        log_probs: ``[B, T]`` current log-probs of the sampled tokens (requires grad).
+        old_log_probs: ``[B, T]`` log-probs under the sampling (old) policy.
+        advantages: ``[B]`` or ``[B, T]``.
+        response_mask: ``[B, T]`` bool; only these tokens enter the loss, its gradient and metrics.
+        importance_sampling: ``seq`` (GSPO), ``seq_token`` (GSPO-token) or ``token`` (GRPO).
+        clip_low, clip_high: ratio clipped to ``[1 - clip_low, 1 + clip_high]``.
+        loss_agg_mode: see the module docstring.
+        dual_clip_constant: ``c`` of dual clip for ``A < 0``; None disables.
+        ref_log_probs, kl_coef, kl_estimator: KL loss against a reference, added per token.
+        entropy, entropy_coef: ``[B, T]`` entropy of the policy; ``-entropy_coef * H`` per token.
+        num_sequences, num_tokens: global denominators ``N_seq``, ``N_tok`` (default: this batch's).
+        sequence_lengths: global ``n_i`` ``[B]`` (default: ``response_mask.sum(-1)``).
+        norm_length: ``T_norm`` of seq-mean-token-sum-norm (default: ``T``).
+        log_ratio_clamp: log ratios are clamped to ``+-log_ratio_clamp`` before ``exp``.
+        sequence_group: context-parallel group over which sequences are split (or None).
+
+    Returns:
+        ``(loss, metrics)``: the 0-d loss and 0-d metric tensors (see module docstring).
+    """
+    if importance_sampling not in RATIO_FUNCTIONS:
+        raise ValueError(
+            f"unknown importance_sampling {importance_sampling!r}; known: "
+            f"{', '.join(RATIO_FUNCTIONS)}"
+        )
+    mask = response_mask.bool()
+    maskf = mask.to(log_probs.dtype)
+    lengths = maskf.sum(-1) if sequence_lengths is None else sequence_lengths.to(log_probs.dtype)
+    if num_sequences is None:
+        num_sequences = (lengths > 0).sum().clamp(min=1).to(log_probs.dtype)
+    if num_tokens is None:
+        num_tokens = maskf.sum().clamp(min=1)
+    if norm_length is None:
+        norm_length = log_probs.shape[-1]
+
+    ratio, seq_log_ratio = RATIO_FUNCTIONS[importance_sampling](
+        log_probs, old_log_probs.detach(), mask, lengths, log_ratio_clamp, sequence_group
+    )
+    advantages = advantages.to(log_probs.dtype).detach()
+    token_advantages = (
+        advantages.unsqueeze(-1).expand_as(log_probs) if advantages.dim() == 1 else advantages
+    )
+    # Zero the advantages of masked positions: a non-finite value there would otherwise reach the
+    # sequence ratio's gradient as 0 * nan.
+    token_advantages = _masked(token_advantages, mask)
+
+    unclipped = -token_advantages * ratio
+    clipped_ratio = ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
+    clipped = -token_advantages * clipped_ratio
+    pg = torch.maximum(unclipped, clipped)
+    dual_bound = None
+    if dual_clip_constant is not None:
+        dual_bound = -dual_clip_constant * token_advantages
+        pg = torch.where(token_advantages < 0, torch.minimum(pg, dual_bound), pg)
+
+    def agg(values: torch.Tensor) -> torch.Tensor:
+        return aggregate(
+            values,
+            mask,
+            loss_agg_mode,
+            lengths=lengths,
+            num_sequences=num_sequences,
+            num_tokens=num_tokens,
+            norm_length=norm_length,
+        )
+
+    pg_loss = agg(pg)
+    loss = pg_loss
+    metrics: dict[str, torch.Tensor] = {"pg_loss": pg_loss.detach()}
+
+    def token_mean(values: torch.Tensor) -> torch.Tensor:
+        return _masked(values.detach().to(log_probs.dtype), mask).sum() / num_tokens
+
+    def sequence_mean(values: torch.Tensor) -> torch.Tensor:
+        per_token = _masked(values.detach().to(log_probs.dtype), mask)
+        return (per_token.sum(-1) / lengths.clamp(min=1)).sum() / num_sequences
+
+    if ref_log_probs is not None:
+        kl = kl_estimate(log_probs, ref_log_probs.detach(), kl_estimator)
+        kl_loss = agg(kl)
+        loss = loss + kl_coef * kl_loss
+        metrics["kl_loss"] = kl_loss.detach()
+        metrics["kl"] = token_mean(kl)
+    if entropy is not None:
+        entropy_loss = agg(entropy)
+        loss = loss - entropy_coef * entropy_loss
+        metrics["entropy_loss"] = entropy_loss.detach()
+        metrics["entropy"] = token_mean(entropy)
+
+    with torch.no_grad():
+        ratio_value = ratio.detach()
+        low = ratio_value < 1.0 - clip_low
+        high = ratio_value > 1.0 + clip_high
+        binding_low = low & (token_advantages < 0)
+        binding_high = high & (token_advantages > 0)
+        binding = binding_low | binding_high
+        out_of_range = low | high
+        for name, flags in (
+            ("clip_frac", binding),
+            ("clip_frac_low", binding_low),
+            ("clip_frac_high", binding_high),
+            ("ratio_out_of_range", out_of_range),
+        ):
+            metrics[f"{name}_token"] = token_mean(flags)
+            metrics[f"{name}_seq"] = sequence_mean(flags)
+        if dual_bound is not None:
+            unbounded = torch.maximum(unclipped, clipped)
+            dual = (token_advantages < 0) & (unbounded > dual_bound)
+            metrics["dual_clip_frac_token"] = token_mean(dual)
+        seq_values = seq_log_ratio.detach().unsqueeze(-1).expand_as(log_probs)
+        metrics["seq_log_ratio_mean"] = sequence_mean(seq_values)
+        metrics["seq_log_ratio_abs_mean"] = sequence_mean(seq_values.abs())
+        valid_sequences = lengths > 0
+        metrics["seq_log_ratio_abs_max"] = (
+            seq_log_ratio.detach().abs()[valid_sequences].max()
+            if bool(valid_sequences.any())
+            else torch.zeros((), dtype=log_probs.dtype)
+        )
+        metrics["ratio_mean"] = token_mean(ratio_value)
+    return loss, metrics

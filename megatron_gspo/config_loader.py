@@ -1,0 +1,146 @@
+"""Compose a :class:`~megatron_gspo.config.TrainConfig` from a Hydra preset and overrides.
+
+The schema (:class:`TrainConfig`) is registered in Hydra's ConfigStore as ``megatron_gspo``;
+presets start with ``defaults: [megatron_gspo, _self_]`` so Hydra type-checks them against it.
+Overrides use Hydra's grammar (``algo.clip_low=3e-4``, ``parallel.tp=2``,
+``'reward.functions=[math,format]'``). Hydra's own errors for unknown keys suggest ``+key=`` (which
+would be wrong here: the schema is closed), so they are translated into :class:`ConfigError`\\ s
+that name the key, the valid keys and the closest match.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+from typing import Any, Optional
+
+from megatron_gspo.config import ConfigError, TrainConfig, _dataclass_of, _suggest, from_dict
+
+SCHEMA_NAME = "megatron_gspo"
+EXAMPLES_DIR = Path(__file__).resolve().parent.parent / "examples" / "moe"
+
+
+def register_schema() -> None:
+    from hydra.core.config_store import ConfigStore
+
+    ConfigStore.instance().store(name=SCHEMA_NAME, node=TrainConfig)
+
+
+def resolve_preset(name_or_path: Optional[str]) -> tuple[Optional[str], str]:
+    """``(config_dir, config_name)`` for a preset name (``roll_gspo``), a YAML path, or None."""
+    if name_or_path is None:
+        return None, SCHEMA_NAME
+    path = Path(name_or_path)
+    if path.suffix in (".yaml", ".yml"):
+        if not path.is_file():
+            raise ConfigError(
+                "preset",
+                f"preset file {str(path)!r} does not exist",
+                "a preset is a YAML file",
+                "give an existing path, or the name of a preset in examples/moe/",
+            )
+        return str(path.resolve().parent), path.stem
+    candidate = EXAMPLES_DIR / f"{name_or_path}.yaml"
+    if not candidate.is_file():
+        known = sorted(p.stem for p in EXAMPLES_DIR.glob("*.yaml")) if EXAMPLES_DIR.is_dir() else []
+        raise ConfigError(
+            "preset",
+            f"no preset named {name_or_path!r}",
+            f"presets are the YAML files of {EXAMPLES_DIR}",
+            f"{_suggest(name_or_path, known)}known presets: {', '.join(known) or '(none)'}",
+        )
+    return str(EXAMPLES_DIR), name_or_path
+
+
+def compose(preset: Optional[str] = None, overrides: Optional[list[str]] = None) -> dict[str, Any]:
+    """Hydra composition of ``preset`` + ``overrides`` into plain nested data."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+    from omegaconf import OmegaConf
+
+    register_schema()
+    config_dir, config_name = resolve_preset(preset)
+    overrides = list(overrides or [])
+    GlobalHydra.instance().clear()
+    context = (
+        initialize_config_dir(config_dir=config_dir, version_base=None)
+        if config_dir
+        else initialize(config_path=None, version_base=None)
+    )
+    try:
+        with context:
+            composed = hydra_compose(config_name=config_name, overrides=overrides)
+    except Exception as error:  # Hydra and OmegaConf raise several unrelated classes
+        raise _translate(error, overrides) from None
+    return OmegaConf.to_container(composed, resolve=True)
+
+
+def load_config(preset: Optional[str] = None, overrides: Optional[list[str]] = None) -> TrainConfig:
+    """Validated :class:`TrainConfig` from a preset and Hydra overrides."""
+    data = compose(preset, overrides)
+    data.pop("hydra", None)
+    return from_dict(TrainConfig, data)
+
+
+def _translate(error: Exception, overrides: list[str]) -> ConfigError:
+    """Turn Hydra/OmegaConf composition errors into actionable :class:`ConfigError`\\ s."""
+    # Hydra chains its exceptions through __context__ as well as __cause__; the innermost one that
+    # carries a full_key is OmegaConf's, and its text is the useful one.
+    chain, seen = [], set()
+    link: Optional[BaseException] = error
+    while link is not None and id(link) not in seen:
+        seen.add(id(link))
+        chain.append(link)
+        link = link.__cause__ or link.__context__
+    keyed = [e for e in chain if getattr(e, "full_key", None)]
+    root = keyed[-1] if keyed else chain[-1]
+    full_key = getattr(root, "full_key", None)
+    text = str(root)
+    if full_key is None:
+        # Hydra's "Could not override 'a.b'" messages carry the key only in the text.
+        for override in overrides:
+            key = override.lstrip("+~").split("=", 1)[0]
+            if f"'{key}'" in str(error):
+                full_key = key
+                break
+    if full_key and ("not in struct" in text or "not in '" in text or "Key '" in text):
+        section, _, name = full_key.rpartition(".")
+        valid = _valid_keys(section)
+        return ConfigError(
+            full_key,
+            f"unknown key '{name}'",
+            "the configuration schema is closed: an unknown key is a typo or a setting that does "
+            "not exist, and it is never ignored",
+            f"{_suggest(name, valid)}valid keys{' of ' + section if section else ''}: "
+            f"{', '.join(valid)}",
+        )
+    if full_key:
+        return ConfigError(
+            full_key,
+            text.splitlines()[0],
+            "the value does not have the type the schema declares",
+            f"give {full_key} a value of the declared type (see `--help` or docs/configuration.md)",
+        )
+    return ConfigError(
+        "<overrides>",
+        str(error).splitlines()[0] if str(error) else type(error).__name__,
+        "Hydra could not compose the configuration",
+        "check the override syntax: key=value, lists as 'key=[a,b]', null for None",
+    )
+
+
+def _valid_keys(section: str) -> list[str]:
+    cls: Any = TrainConfig
+    for part in filter(None, section.split(".")):
+        fields = {f.name: f for f in dataclasses.fields(cls)}
+        if part not in fields or _dataclass_of(fields[part].type) is None:
+            return []
+        cls = _dataclass_of(fields[part].type)
+    return sorted(f.name for f in dataclasses.fields(cls))
+
+
+def overrides_from_env() -> list[str]:
+    """Extra overrides from MEGATRON_GSPO_OVERRIDES (space-separated), for launch scripts."""
+    return os.environ.get("MEGATRON_GSPO_OVERRIDES", "").split()

@@ -1,0 +1,54 @@
+"""The sample that travels from rollout to the training engine (torch only, no Megatron).
+
+Shapes: ``L`` = prompt + response tokens of one sample, ``R`` = response tokens, ``K`` = experts
+per token (top-k), ``M`` = MoE layers. Log-probs follow the next-token convention: entry ``j`` of a
+response tensor is the log-prob of response token ``j`` (the model's prediction at position
+``prompt_length + j - 1``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+
+
+@dataclass
+class TrainSample:
+    """One prompt + response, with everything the policy update needs."""
+
+    tokens: torch.Tensor
+    """``[L]`` int64 prompt followed by response token ids."""
+    prompt_length: int
+    """Number of prompt tokens at the start of ``tokens``."""
+    group_id: int = 0
+    """Index of the sample's prompt in the rollout batch (its GRPO group)."""
+    advantages: Optional[torch.Tensor] = None
+    """``[]`` (one per sequence) or ``[R]`` (per token) float32."""
+    loss_mask: Optional[torch.Tensor] = None
+    """``[R]`` bool; None means every response token counts."""
+    old_log_probs: Optional[torch.Tensor] = None
+    """``[R]`` float32 log-probs under the sampling (old) policy at the rollout temperature."""
+    rollout_log_probs: Optional[torch.Tensor] = None
+    """``[R]`` float32 log-probs reported by the rollout engine."""
+    ref_log_probs: Optional[torch.Tensor] = None
+    """``[R]`` float32 log-probs under the frozen reference policy."""
+    routed_experts: Optional[torch.Tensor] = None
+    """``[L - 1, M, K]`` uint8/int16 expert ids per token and MoE layer: from the rollout engine
+    (R3; its last token never ran forward, so there are L - 1 rows) or recorded by the training
+    engine (R2)."""
+    reward: float = 0.0
+    finish_reason: str = "stop"
+    weight_version: int = 0
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def response_length(self) -> int:
+        return int(self.tokens.numel()) - self.prompt_length
+
+    def response_mask(self) -> torch.Tensor:
+        """``[R]`` bool mask of the tokens that enter the loss."""
+        if self.loss_mask is not None:
+            return self.loss_mask.bool()
+        return torch.ones(self.response_length, dtype=torch.bool)

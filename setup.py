@@ -1,0 +1,59 @@
+"""megatron_gspo: GSPO RL post-training for MoE LLMs on Megatron-Core.
+
+CPU installs go through constraints.txt (pins torch==2.13.0 and megatron-core==0.16.1 so that no
+CUDA wheels are pulled):  pip install -c constraints.txt -e ".[test]"
+"""
+
+from pathlib import Path
+
+from setuptools import find_packages, setup
+
+ROOT = Path(__file__).parent
+
+setup(
+    name="megatron_gspo",
+    version="0.1.0",
+    description="GSPO reinforcement-learning post-training for Mixture-of-Experts LLMs on Megatron-Core",
+    long_description=(ROOT / "README.md").read_text(encoding="utf-8"),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.11",
+    packages=find_packages(include=["megatron_gspo", "megatron_gspo.*"]),
+    install_requires=[
+        "torch>=2.6",
+        "megatron-core>=0.16.1",
+        "transformers>=4.57",
+        "safetensors>=0.4",
+        "hydra-core>=1.3",
+        "omegaconf>=2.3",
+        "numpy>=1.26",
+        "pyarrow>=14",
+        "psutil>=5.9",  # megatron dist_checkpointing's writer hangs without it (undeclared upstream)
+        "tensorboard>=2.14",
+        "tqdm>=4.66",
+        "matplotlib>=3.8",
+        "requests>=2.31",
+        "math-verify[antlr4_9_3]>=0.7",  # hydra-core pins antlr4 4.9.3
+    ],
+    extras_require={
+        "test": [
+            "pytest>=8",
+            "pytest-timeout>=2.3",
+            "ruff>=0.6",
+            "trl>=1.0",  # benchmarks/vs_trl.py and its parity test
+        ],
+        # Talking to SGLang servers: the client is plain HTTP; servers come from the "gpu" extra.
+        "sglang": ["requests>=2.31", "numpy>=1.26"],
+        # What the GPU image (Dockerfile) installs on top of the NVIDIA PyTorch base. Pinned exactly
+        # and kept equal to the Dockerfile's ARGs (tests/docker/test_dockerfile.py): sglang 0.5.23
+        # pins torch==2.14.1; megatron-core 0.17+ needs Python 3.12 (CPU installs stay on 0.16.1).
+        # Transformer Engine is built in the Dockerfile (--no-build-isolation), not listed here.
+        "gpu": [
+            "torch==2.14.1",
+            'megatron-core==0.17.1; python_version >= "3.12"',
+            "sglang==0.5.23",
+            "wandb>=0.17",
+        ],
+        "wandb": ["wandb>=0.17"],
+    },
+    entry_points={"console_scripts": ["megatron-gspo-train=megatron_gspo.train:main"]},
+)

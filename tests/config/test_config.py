@@ -1,0 +1,241 @@
+"""The config tree: presets load, unknown keys and bad values fail with actionable errors."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+
+from megatron_gspo.config import (
+    AlgoConfig,
+    ConfigError,
+    ConfigWarning,
+    ParallelConfig,
+    TrainConfig,
+    from_dict,
+)
+from megatron_gspo.config_loader import EXAMPLES_DIR, load_config
+
+PRESETS = sorted(EXAMPLES_DIR.glob("*.yaml"))
+
+
+def write_preset(tmp_path, body: str):
+    path = tmp_path / "preset.yaml"
+    path.write_text("defaults:\n  - megatron_gspo\n  - _self_\n\n" + body)
+    return str(path)
+
+
+def load_quietly(preset=None, overrides=None):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ConfigWarning)
+        return load_config(preset, overrides)
+
+
+def test_presets_exist():
+    assert PRESETS, f"no presets in {EXAMPLES_DIR}"
+
+
+@pytest.mark.parametrize("path", PRESETS, ids=lambda p: p.stem)
+def test_preset_loads(path):
+    by_name = load_quietly(path.stem)
+    by_path = load_quietly(str(path))
+    assert isinstance(by_name, TrainConfig)
+    assert by_name == by_path
+
+
+def test_no_preset_is_the_dataclass_defaults():
+    assert load_quietly() == TrainConfig()
+
+
+def test_overrides_apply_on_top_of_a_preset():
+    config = load_quietly(
+        PRESETS[0].stem,
+        ["algo.clip_low=3e-4", "parallel.tp=2", "reward.functions=[math,format]", "steps=3"],
+    )
+    assert config.algo.clip_low == 3e-4
+    assert config.parallel.tp == 2
+    assert config.reward.functions == ["math", "format"]
+    assert config.steps == 3
+
+
+def assert_config_error(error: ConfigError, key: str, *fragments: str):
+    message = str(error)
+    assert error.key == key, message
+    assert f"'{key}'" in message and "why:" in message and "fix:" in message
+    for fragment in fragments:
+        assert fragment in message, f"{fragment!r} not in:\n{message}"
+
+
+@pytest.mark.parametrize(
+    "overrides,key,suggestion",
+    [
+        (["stpes=3"], "stpes", "'steps'"),
+        (["+stpes=3"], "stpes", "'steps'"),
+        (["algo.clip_lowx=0.1"], "algo.clip_lowx", "'clip_low'"),
+        (["+algo.clip_hihg=0.1"], "algo.clip_hihg", "'clip_high'"),
+        (["algox.clip_low=0.1"], "algox", "'algo'"),
+        (["parallel.tensor_parallel=2"], "parallel.tensor_parallel", "valid keys"),
+    ],
+)
+def test_unknown_key_in_override(overrides, key, suggestion):
+    with pytest.raises(ConfigError) as error:
+        load_quietly(None, overrides)
+    assert_config_error(error.value, key, suggestion)
+
+
+@pytest.mark.parametrize(
+    "body,key,suggestion",
+    [
+        ("stpes: 3\n", "stpes", "'steps'"),
+        ("algo:\n  clip_hihg: 0.1\n", "algo.clip_hihg", "'clip_high'"),
+        ("model:\n  num_expert: 4\n", "model.num_expert", "'num_experts'"),
+    ],
+)
+def test_unknown_key_in_yaml_preset(tmp_path, body, key, suggestion):
+    with pytest.raises(ConfigError) as error:
+        load_quietly(write_preset(tmp_path, body))
+    assert_config_error(error.value, key, suggestion)
+
+
+def test_unknown_key_in_plain_data():
+    with pytest.raises(ConfigError) as error:
+        from_dict(TrainConfig, {"algo": {"clip_lowx": 0.1}})
+    assert_config_error(error.value, "algo.clip_lowx", "'clip_low'")
+
+
+def test_unknown_preset_name():
+    with pytest.raises(ConfigError) as error:
+        load_quietly(PRESETS[0].stem + "x")
+    assert_config_error(error.value, "preset", repr(PRESETS[0].stem))
+
+
+@pytest.mark.parametrize(
+    "overrides,key",
+    [
+        # wrong type
+        (["algo.clip_low=abc"], "algo.clip_low"),
+        (["algo.ppo_epochs=1.5"], "algo.ppo_epochs"),
+        (["algo.use_kl_loss=maybe"], "algo.use_kl_loss"),
+        (["reward.functions=5"], "reward.functions"),
+        # out of range
+        (["algo.ppo_epochs=0"], "algo.ppo_epochs"),
+        (["algo.clip_high=0"], "algo.clip_high"),
+        (["rollout.top_p=1.5"], "rollout.top_p"),
+        (["optim.lr=-1e-3"], "optim.lr"),
+        (["algo.advantage_clip=0"], "algo.advantage_clip"),
+        (["parallel.vpp=0"], "parallel.vpp"),
+        # bad choice
+        (["algo.loss_agg_mode=token_mean"], "algo.loss_agg_mode"),
+        (["algo.importance_sampling=sequence"], "algo.importance_sampling"),
+        (["algo.kl_estimator=k4"], "algo.kl_estimator"),
+        (["model.architecture=llama"], "model.architecture"),
+        # clip_low must stay below 1
+        (["algo.clip_low=1.0"], "algo.clip_low"),
+        (["algo.clip_low=1.5"], "algo.clip_low"),
+        # dual clip constant must exceed 1 + clip_high
+        (["algo.dual_clip_loss=true", "algo.dual_clip_constant=1.0004"], "algo.dual_clip_constant"),
+        (["algo.dual_clip_loss=true", "algo.dual_clip_constant=0.5"], "algo.dual_clip_constant"),
+        # reward shaping
+        (["algo.reward_norm=group", "algo.reward_shift=true", "algo.reward_scale=true"],
+         "algo.reward_shift"),
+        (["algo.reward_shift=true"], "algo.reward_norm"),
+        # r2 records routes in the recompute forward
+        (["algo.routing_replay=r2", "algo.old_log_prob_source=rollout"], "algo.routing_replay"),
+        (["algo.routing_replay=r2", "algo.old_log_prob_source=detach"], "algo.routing_replay"),
+        # layout against the model
+        (["parallel.ep=3"], "parallel.ep"),
+        (["model.architecture=qwen3", "parallel.ep=2"], "parallel.ep"),
+        (["parallel.tp=4"], "parallel.tp"),
+        (["parallel.pp=3"], "parallel.pp"),
+        (["parallel.pp=2", "parallel.vpp=2"], "parallel.pp"),
+        (["parallel.vpp=2"], "parallel.vpp"),
+        (["model.num_query_groups=3"], "model.num_query_groups"),
+        # mini-batches must split the samples of a step (8 x 8 = 64)
+        (["algo.num_mini_batches=3"], "algo.num_mini_batches"),
+    ],
+)  # fmt: skip
+def test_bad_value(overrides, key):
+    with pytest.raises(ConfigError) as error:
+        load_quietly(None, overrides)
+    assert_config_error(error.value, key)
+
+
+def test_bad_value_in_yaml_preset(tmp_path):
+    with pytest.raises(ConfigError) as error:
+        load_quietly(write_preset(tmp_path, "algo:\n  ppo_epochs: many\n"))
+    assert_config_error(error.value, "algo.ppo_epochs")
+
+
+def test_boundaries_that_are_valid():
+    """The edges of the ranges above are accepted."""
+    config = load_quietly(
+        None,
+        [
+            "algo.dual_clip_loss=true",
+            "algo.dual_clip_constant=1.0005",
+            "algo.num_mini_batches=64",
+            "parallel.pp=2",
+            "parallel.ep=8",
+            "parallel.tp=2",
+            "algo.reward_norm=running",
+            "algo.reward_scale=true",
+        ],
+    )
+    assert config.algo.dual_clip_constant == 1.0005
+
+
+def caught_config_warnings(**algo):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        AlgoConfig(**algo)
+    return [str(w.message) for w in caught if issubclass(w.category, ConfigWarning)]
+
+
+@pytest.mark.parametrize("importance_sampling", ["seq", "seq_token"])
+@pytest.mark.parametrize(
+    "settings,fragment",
+    [
+        ({"clip_low": 0.2, "clip_high": 0.28}, "clip"),
+        ({"clip_low": 3e-4, "clip_high": 0.051}, "clip"),
+        ({"loss_agg_mode": "token-mean"}, "loss_agg_mode"),
+        ({"loss_agg_mode": "seq-mean-token-sum"}, "loss_agg_mode"),
+    ],
+)
+def test_gspo_warnings(importance_sampling, settings, fragment):
+    messages = caught_config_warnings(importance_sampling=importance_sampling, **settings)
+    assert len(messages) == 1 and fragment in messages[0]
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [
+        {},  # GSPO defaults: 3e-4 / 4e-4, seq-mean-token-mean
+        {"clip_low": 0.05, "clip_high": 0.05},
+        {"loss_agg_mode": "seq-mean-token-sum-norm"},
+        {"importance_sampling": "token", "clip_low": 0.2, "clip_high": 0.28,
+         "loss_agg_mode": "token-mean"},
+    ],
+)  # fmt: skip
+def test_no_warning(settings):
+    assert caught_config_warnings(**settings) == []
+
+
+def test_preset_warning_reaches_the_user():
+    """A GSPO preset with a token-sized clip warns through load_config, as ConfigWarning."""
+    with pytest.warns(ConfigWarning, match="clip"):
+        load_config(None, ["algo.clip_low=0.2", "algo.clip_high=0.2"])
+
+
+def test_check_world():
+    layout = ParallelConfig(tp=2, pp=2)
+    layout.check_world(8)
+    assert layout.data_parallel_size(8) == 2
+    with pytest.raises(ConfigError) as error:
+        layout.check_world(6)
+    assert_config_error(error.value, "parallel", "6")
+    # ep * etp must divide dp * cp * tp: world 4 with pp 2 leaves 2 ranks for ep = 4.
+    with pytest.raises(ConfigError) as error:
+        ParallelConfig(pp=2, ep=4).check_world(4)
+    assert_config_error(error.value, "parallel.ep")
+    ParallelConfig(tp=2, ep=4).check_world(8)  # dp 4 x tp 2 = 8 expert ranks
+    ParallelConfig(cp=2, ep=2).check_world(2)  # dp 1 x cp 2
