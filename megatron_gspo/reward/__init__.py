@@ -1,0 +1,35 @@
+"""Reward functions, the worker pool that calls them, and the code-execution sandbox.
+No Megatron or torch import (worker processes stay light).
+
+The trainer's calls::
+
+    runner = RewardRunner(config.reward)            # resolves names; unknown ones fail here
+    result = runner.score([RewardInput(prompt=..., response=..., answer=..., metadata=...,
+                                       prompt_ids=..., response_ids=...), ...])
+    result.rewards   # [B] floats;  result.metrics: reward_mean, reward_errors, ...
+    runner.close()
+"""
+
+from megatron_gspo.reward.functions import (
+    BUILTIN_REWARDS,
+    RewardInput,
+    RewardSpec,
+    load_reward_function,
+    reward_specs,
+)
+from megatron_gspo.reward.runner import RewardFailure, RewardResult, RewardRunner
+from megatron_gspo.reward.sandbox import SandboxLimits, SandboxResult, run_python
+
+__all__ = [
+    "BUILTIN_REWARDS",
+    "RewardFailure",
+    "RewardInput",
+    "RewardResult",
+    "RewardRunner",
+    "RewardSpec",
+    "SandboxLimits",
+    "SandboxResult",
+    "load_reward_function",
+    "reward_specs",
+    "run_python",
+]

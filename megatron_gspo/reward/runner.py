@@ -1,0 +1,161 @@
+"""Score a batch of samples with the configured reward functions.
+
+``reward_b = sum_f weight_f * score_{f,b}`` over the functions ``f`` of ``reward.functions``.
+Each ``score_{f,b}`` is one call with its own time limit (``reward.timeout_s``). A call that
+raises, returns something other than a finite number, loses its worker, or times out scores
+``reward.failure_reward`` for that function; it is counted (``reward_errors``,
+``reward_timeouts``), logged with the function's name and the sample's index, and listed in
+:attr:`RewardResult.failures` - never silently scored as zero.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from megatron_gspo.config import ConfigError, RewardConfig
+from megatron_gspo.reward.functions import RewardInput, load_reward_function, reward_specs
+from megatron_gspo.reward.pool import ProcessPool, ThreadPool
+
+logger = logging.getLogger(__name__)
+
+MAX_LOGGED_FAILURES = 20
+"""Failures logged one by one per batch; the rest are summarised in one line."""
+
+
+@dataclass(frozen=True)
+class RewardFailure:
+    sample_index: int
+    function: str
+    kind: str
+    """``error`` or ``timeout``."""
+    message: str
+
+
+@dataclass
+class RewardResult:
+    """Scores of one batch of ``B`` samples."""
+
+    rewards: list[float]
+    """``[B]`` weighted sum over the functions (failed calls count as failure_reward)."""
+    scores: dict[str, list[float]]
+    """Function metric name -> ``[B]`` unweighted scores (failure_reward where the call failed)."""
+    failures: list[RewardFailure] = field(default_factory=list)
+    metrics: dict[str, float] = field(default_factory=dict)
+    """``reward_mean/std/min/max`` (of ``rewards``), ``reward_<function>_mean``,
+    ``reward_errors``, ``reward_timeouts`` (call counts), ``reward_seconds`` (wall clock)."""
+
+
+class RewardRunner:
+    """The configured reward functions and a worker pool to call them in.
+
+    Construction resolves every function (unknown names, failing imports and unknown options
+    raise :class:`ConfigError`) and starts the workers. Use as a context manager, or call
+    :meth:`close`.
+    """
+
+    def __init__(self, config: RewardConfig):
+        self.config = config
+        self.specs = reward_specs(config.functions, config.weights, config.options)
+        names = [spec.metric_name for spec in self.specs]
+        duplicates = sorted({name for name in names if names.count(name) > 1})
+        if duplicates:
+            raise ConfigError(
+                "reward.functions",
+                f"{', '.join(duplicates)} listed more than once",
+                "each function's score is reported under its own name",
+                "list each function once (use reward.weights to weight it)",
+            )
+        # Resolving here, in the trainer, makes a bad name fail at start-up (with the valid names)
+        # rather than in a worker; thread workers then call these very functions.
+        functions = [load_reward_function(spec) for spec in self.specs]
+        if config.executor == "thread":
+            self.pool = ThreadPool(functions, config.num_workers, config.timeout_s)
+        else:
+            self.pool = ProcessPool(self.specs, config.num_workers, config.timeout_s)
+        logger.info(
+            "reward: %s (%d %s workers, %g s per call)",
+            " + ".join(f"{spec.weight:g} * {spec.name}" for spec in self.specs),
+            config.num_workers,
+            config.executor,
+            config.timeout_s,
+        )
+
+    def score(self, samples: Sequence[RewardInput]) -> RewardResult:
+        """Score ``samples``; the result's lists follow their order."""
+        start = time.monotonic()
+        calls = [
+            (function_index, sample)
+            for sample in samples
+            for function_index in range(len(self.specs))
+        ]
+        outcomes = self.pool.run(calls)
+        num_functions = len(self.specs)
+        scores: dict[str, list[float]] = {spec.metric_name: [] for spec in self.specs}
+        rewards: list[float] = []
+        failures: list[RewardFailure] = []
+        for sample_index in range(len(samples)):
+            total = 0.0
+            for function_index, spec in enumerate(self.specs):
+                outcome = outcomes[sample_index * num_functions + function_index]
+                value = outcome.value
+                if outcome.status != "ok":
+                    value = self.config.failure_reward
+                    failures.append(
+                        RewardFailure(sample_index, spec.name, outcome.status, outcome.message)
+                    )
+                scores[spec.metric_name].append(value)
+                total += spec.weight * value
+            rewards.append(total)
+        self._log_failures(failures, len(samples))
+        metrics = _metrics(rewards, scores, failures)
+        metrics["reward_seconds"] = time.monotonic() - start
+        return RewardResult(rewards=rewards, scores=scores, failures=failures, metrics=metrics)
+
+    def _log_failures(self, failures: list[RewardFailure], num_samples: int) -> None:
+        for failure in failures[:MAX_LOGGED_FAILURES]:
+            logger.warning(
+                "reward %r %s on sample %d (scored %g): %s",
+                failure.function,
+                "timed out" if failure.kind == "timeout" else "failed",
+                failure.sample_index,
+                self.config.failure_reward,
+                failure.message,
+            )
+        if len(failures) > MAX_LOGGED_FAILURES:
+            logger.warning(
+                "... and %d more reward failures in this batch of %d samples",
+                len(failures) - MAX_LOGGED_FAILURES,
+                num_samples,
+            )
+
+    def close(self) -> None:
+        self.pool.close()
+
+    def __enter__(self) -> RewardRunner:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+
+def _metrics(
+    rewards: list[float], scores: dict[str, list[float]], failures: list[RewardFailure]
+) -> dict[str, float]:
+    metrics = {
+        "reward_errors": float(sum(failure.kind == "error" for failure in failures)),
+        "reward_timeouts": float(sum(failure.kind == "timeout" for failure in failures)),
+    }
+    if not rewards:
+        return metrics
+    mean = math.fsum(rewards) / len(rewards)
+    metrics["reward_mean"] = mean
+    metrics["reward_std"] = math.sqrt(math.fsum((r - mean) ** 2 for r in rewards) / len(rewards))
+    metrics["reward_min"] = min(rewards)
+    metrics["reward_max"] = max(rewards)
+    for name, values in scores.items():
+        metrics[f"reward_{name}_mean"] = math.fsum(values) / len(values)
+    return metrics
