@@ -747,6 +747,9 @@ class EvalConfig:
     num_samples: int = 4
     """Samples per prompt for pass@k (k <= num_samples)."""
     temperature: float = 1.0
+    correct_reward: float = 1.0
+    """A held-out response counts as correct (greedy accuracy, pass@k) when its reward reaches
+    this value (1.0 is a full score for the built-in tasks and the math reward)."""
 
     def __post_init__(self) -> None:
         _check_positive("eval.interval", self.interval, allow_zero=True)

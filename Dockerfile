@@ -1,0 +1,113 @@
+# syntax=docker/dockerfile:1
+#
+# One image for both sides of a megatron_gspo run: the trainer (torchrun, Megatron-Core,
+# Transformer Engine, NCCL) and the rollout servers (SGLang).
+#
+#   docker build -t megatron-gspo:0.1.0 .
+#   docker run --rm megatron-gspo:0.1.0 python -m megatron_gspo.train --help
+#
+# How the versions fit together (tests/docker/test_dockerfile.py checks the pins against the
+# "gpu" extra of setup.py):
+#   * Base: NGC PyTorch 25.12 (Ubuntu 24.04, Python 3.12, CUDA 13.1, cuDNN, NCCL, HPC-X and the
+#     InfiniBand user space that multi-node NCCL needs). Python 3.12 is what megatron-core 0.17+
+#     requires.
+#   * torch 2.14.1: sglang 0.5.23 pins torch==2.14.1 and CUDA 13 kernels (flashinfer[cu13],
+#     sglang-kernel 0.4.10), so the base's NVIDIA build of torch (2.10.0a0) cannot stay. It is
+#     replaced by the PyTorch cu130 wheel, and every package compiled against the old torch
+#     (Transformer Engine, apex, torchvision, ...) is removed and, where needed, rebuilt below.
+#   * Transformer Engine 2.12.0: the newest TE that megatron-core 0.17.1 checks for
+#     (is_te_min_version("2.12.0")); its PyTorch extension is compiled against torch 2.14.1.
+#     Megatron-Core takes its fused Adam and multi-tensor kernels from TE, so apex is optional
+#     (APEX_REF below).
+#   * megatron-core 0.17.1: a 0.17 patch release (0.17+ needs Python 3.12), the smallest step from
+#     the CPU CI's 0.16.1 (the newest for Python 3.11); the package must work with both.
+
+FROM nvcr.io/nvidia/pytorch:25.12-py3
+
+ARG TORCH_VERSION=2.14.1
+ARG TORCHVISION_VERSION=0.29.1
+ARG TORCHAUDIO_VERSION=2.11.0
+ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cu130
+ARG TRANSFORMER_ENGINE_VERSION=2.12.0
+ARG MEGATRON_CORE_VERSION=0.17.1
+ARG SGLANG_VERSION=0.5.23
+# Git ref of NVIDIA/apex to build; empty (the default) leaves apex out.
+ARG APEX_REF=""
+# GPU architectures compiled into Transformer Engine's extension: A100, H100/H200, B200.
+ARG NVTE_CUDA_ARCHS="80;90;100"
+ARG MAX_JOBS=8
+
+LABEL org.opencontainers.image.title="megatron-gspo" \
+      org.opencontainers.image.description="GSPO RL post-training for MoE LLMs: Megatron-Core trainer and SGLang rollout servers" \
+      org.opencontainers.image.version="0.1.0"
+
+ENV PYTHONUNBUFFERED=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    PIP_CONSTRAINT=/etc/pip/megatron-gspo-constraints.txt
+
+SHELL ["/bin/bash", "-o", "pipefail", "-c"]
+
+# The base image constrains pip to its own torch build (/etc/pip/constraint.txt); the file written
+# here replaces it, so that every later install, sglang's own resolution included, keeps these
+# pins. Packages with C++/CUDA extensions built against the base's torch would fail to load (or
+# load and crash) against torch 2.14.1, so they go before torch is swapped; names the base does
+# not carry are skipped by pip with a warning.
+RUN --mount=type=cache,target=/root/.cache/pip \
+    printf '%s\n' \
+        "torch==${TORCH_VERSION}" \
+        "torchvision==${TORCHVISION_VERSION}" \
+        "torchaudio==${TORCHAUDIO_VERSION}" \
+        "transformer-engine==${TRANSFORMER_ENGINE_VERSION}" \
+        "transformer-engine-cu13==${TRANSFORMER_ENGINE_VERSION}" \
+        "transformer-engine-torch==${TRANSFORMER_ENGINE_VERSION}" \
+        "megatron-core==${MEGATRON_CORE_VERSION}" \
+        "sglang==${SGLANG_VERSION}" \
+        > "${PIP_CONSTRAINT}" \
+    && pip uninstall -y \
+        torch torchvision torchaudio torch-tensorrt torchao nvfuser lightning-thunder \
+        transformer-engine transformer-engine-cu12 transformer-engine-cu13 \
+        transformer-engine-torch apex flash-attn flash-attn-3 megatron-core \
+    && pip install --index-url "${TORCH_INDEX_URL}" \
+        "torch==${TORCH_VERSION}" \
+        "torchvision==${TORCHVISION_VERSION}" \
+        "torchaudio==${TORCHAUDIO_VERSION}"
+
+# Transformer Engine: the core library is a CUDA 13 wheel; the PyTorch extension is an sdist that
+# must compile against the torch installed above, hence --no-build-isolation (nvcc and cuDNN
+# headers come from the base image). A layer of its own: it is the slowest step of the build.
+# hadolint ignore=DL3059
+RUN --mount=type=cache,target=/root/.cache/pip \
+    pip install "pybind11==3.0.1" "ninja==1.13.0" \
+    && NVTE_FRAMEWORK=pytorch NVTE_CUDA_ARCHS="${NVTE_CUDA_ARCHS}" MAX_JOBS="${MAX_JOBS}" \
+       pip install --no-build-isolation \
+        "transformer-engine[core_cu13,pytorch]==${TRANSFORMER_ENGINE_VERSION}"
+
+# hadolint ignore=DL3059
+RUN --mount=type=cache,target=/root/.cache/pip \
+    if [ -n "${APEX_REF}" ]; then \
+        APEX_CPP_EXT=1 APEX_CUDA_EXT=1 MAX_JOBS="${MAX_JOBS}" \
+        pip install --no-build-isolation "git+https://github.com/NVIDIA/apex.git@${APEX_REF}"; \
+    fi
+
+# Third-party dependencies of megatron_gspo[gpu] (sglang with its kernels, megatron-core, ...),
+# resolved from setup.py alone so that editing the package's source does not invalidate this
+# slow layer. A stub package stands in for the source until the next step. The versions are pinned
+# in setup.py's "gpu" extra and the constraints file, which hadolint cannot see (DL3013).
+WORKDIR /workspace/megatron_gspo
+COPY setup.py pyproject.toml ./
+# hadolint ignore=DL3013
+RUN --mount=type=cache,target=/root/.cache/pip \
+    mkdir -p megatron_gspo \
+    && touch megatron_gspo/__init__.py README.md \
+    && pip install ".[gpu]" \
+    && pip uninstall -y megatron_gspo \
+    && rm -rf megatron_gspo README.md build ./*.egg-info
+
+COPY . .
+# Editable, so a checkout mounted over /workspace/megatron_gspo runs without reinstalling.
+RUN pip install --no-cache-dir --no-deps -e . \
+    && python -c "import importlib.metadata as md, os, sys; \
+pins = dict(line.split('==') for line in open(os.environ['PIP_CONSTRAINT']).read().split()); \
+found = {name: md.version(name).split('+')[0] for name in pins}; \
+drift = {name: (pins[name], found[name]) for name in pins if found[name] != pins[name]}; \
+sys.exit(f'pinned version drifted (wanted, found): {drift}' if drift else 0)"

@@ -1,0 +1,266 @@
+# shellcheck shell=bash
+# Helpers shared by launch_single_node.sh, launch_multi_node.sh and sglang_server.sh. Sourced, not
+# run. The scripts read every setting they act on (model path, SGLang sizes, transport) from the
+# resolved preset, so a script and the trainer it launches can never disagree about the config.
+
+PYTHON="${PYTHON:-python}"
+TORCHRUN="${TORCHRUN:-torchrun}"
+
+log() { printf '[%s] %s\n' "$(date +%H:%M:%S)" "$*" >&2; }
+
+die() {
+    printf 'error: %s\n' "$*" >&2
+    exit 2
+}
+
+# Prints a command the way a user would type it (each word shell-quoted).
+print_command() {
+    local word quoted=()
+    for word in "$@"; do
+        quoted+=("$(printf '%q' "$word")")
+    done
+    printf '%s\n' "${quoted[*]}"
+}
+
+# read_config PRESET WORLD_SIZE [OVERRIDE...]
+# Resolves the preset with the overrides (and MEGATRON_GSPO_OVERRIDES, as the trainer does),
+# checks that the parallel layout fits WORLD_SIZE processes (0 skips the check) and sets the CFG_*
+# variables the scripts branch on. A configuration error is printed as the trainer would print it, and the script stops
+# before anything slow (an SGLang start-up takes minutes) has begun.
+read_config() {
+    local assignments
+    assignments="$(
+        "$PYTHON" - "$@" <<'PYTHON_END'
+import shlex
+import sys
+
+from megatron_gspo.config import ConfigError
+from megatron_gspo.config_loader import load_config, overrides_from_env
+
+preset, world_size, overrides = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
+try:
+    config = load_config(preset, overrides_from_env() + overrides)
+    if world_size:
+        config.parallel.check_world(world_size)
+except ConfigError as error:
+    print(error, file=sys.stderr)
+    sys.exit(2)
+values = {
+    "OUTPUT_DIR": config.output_dir,
+    "ENGINE": config.rollout.engine,
+    "SGLANG_PORT": config.rollout.sglang_port,
+    "WEIGHT_TRANSPORT": config.rollout.weight_transport,
+}
+for name, value in values.items():
+    print(f"CFG_{name}={shlex.quote(str(value))}")
+PYTHON_END
+    )" || exit $?
+    eval "$assignments"
+    CFG_PRESET="$1"
+    CFG_OVERRIDES=("${@:3}")
+}
+
+# build_sglang_command HOST PORT RELEASE_MEMORY [EXTRA_SGLANG_ARG...]
+# Fills SGLANG_COMMAND with the `python -m sglang.launch_server` call for the preset read by
+# read_config, built by the same function the trainer uses when it launches servers itself
+# (megatron_gspo.rollout.sglang_launcher.build_launch_command), so the flags the trainer's client
+# relies on (--skip-tokenizer-init, --weight-version, --enable-return-routed-experts for R3) are
+# always there. RELEASE_MEMORY=true adds --enable-memory-saver, which /release_memory_occupation
+# needs.
+build_sglang_command() {
+    local host="$1" port="$2" release_memory="$3" words
+    shift 3
+    local extra=("$@")
+    if [[ "$release_memory" == true ]]; then
+        extra=(--enable-memory-saver "${extra[@]}")
+    fi
+    words="$(
+        "$PYTHON" - "$host" "$port" "$CFG_PRESET" "${#extra[@]}" "${extra[@]}" "${CFG_OVERRIDES[@]}" <<'PYTHON_END'
+import shlex
+import sys
+
+from megatron_gspo.config_loader import load_config, overrides_from_env
+from megatron_gspo.rollout.sglang_launcher import build_launch_command
+
+host, port, preset, extra_count = sys.argv[1], int(sys.argv[2]), sys.argv[3], int(sys.argv[4])
+extra, overrides = sys.argv[5 : 5 + extra_count], sys.argv[5 + extra_count :]
+config = load_config(preset, overrides_from_env() + overrides)
+rollout = config.rollout
+if not config.model.hf_path:
+    sys.exit(
+        "error: the preset has no model.hf_path: SGLang serves a Hugging Face checkpoint "
+        "directory (set model.hf_path=/models/...)"
+    )
+try:
+    command = build_launch_command(
+        config.model.hf_path,
+        port=port,
+        host=host,
+        tp_size=rollout.sglang_tp,
+        ep_size=rollout.sglang_ep,
+        mem_fraction_static=rollout.sglang_mem_fraction,
+        enable_return_routed_experts=config.algo.routing_replay == "r3",
+        extra_args=[*rollout.sglang_extra_args, *extra],
+    )
+except ValueError as error:
+    sys.exit(f"error: cannot start SGLang with this configuration: {error}")
+print(shlex.join(command))
+PYTHON_END
+    )" || exit 2
+    eval "SGLANG_COMMAND=($words)"
+}
+
+# wait_for_sglang URL PID LOG_FILE TIMEOUT_SECONDS
+# Polls /health_generate (a real one-token generation, unlike /health) until the server answers,
+# the server process dies, or the time-out passes. Loading a 60 GB checkpoint and capturing CUDA
+# graphs takes several minutes. SGLANG_POLL_SECONDS sets the interval between polls.
+wait_for_sglang() {
+    local url="$1" pid="$2" log_file="$3" timeout="$4" waited=0 interval="${SGLANG_POLL_SECONDS:-10}"
+    log "waiting for SGLang at $url (log: $log_file)"
+    while ((waited < timeout)); do
+        if ! kill -0 "$pid" 2>/dev/null; then
+            tail -n 30 "$log_file" >&2 || true
+            die "the SGLang server exited during start-up (last lines of $log_file above)"
+        fi
+        if "$PYTHON" -c 'import sys, urllib.request; urllib.request.urlopen(sys.argv[1] + "/health_generate", timeout=30).read()' "$url" 2>/dev/null; then
+            log "SGLang at $url is ready after ${waited}s"
+            return 0
+        fi
+        sleep "$interval"
+        waited=$((waited + interval))
+    done
+    die "SGLang at $url did not answer /health_generate within ${timeout}s (see $log_file; raise --sglang-timeout for large checkpoints on slow storage)"
+}
+
+# start_sglang_server LOG_FILE HOST PORT RELEASE_MEMORY
+# Starts the server in the background in a session of its own, so that stop_sglang_server can end
+# it and every process it spawned (one scheduler per GPU, the detokenizer) by its group id.
+start_sglang_server() {
+    local log_file="$1" host="$2" port="$3" release_memory="$4"
+    build_sglang_command "$host" "$port" "$release_memory"
+    mkdir -p "$(dirname "$log_file")"
+    log "starting SGLang: $(print_command "${SGLANG_COMMAND[@]}")"
+    setsid "${SGLANG_COMMAND[@]}" >"$log_file" 2>&1 &
+    SGLANG_PID=$!
+}
+
+stop_sglang_server() {
+    if [[ -n "${SGLANG_PID:-}" ]] && kill -0 "$SGLANG_PID" 2>/dev/null; then
+        log "stopping the SGLang server (process group $SGLANG_PID)"
+        kill -TERM -- "-$SGLANG_PID" 2>/dev/null || true
+        wait "$SGLANG_PID" 2>/dev/null || true
+    fi
+}
+
+# The URL list as a Hydra override value: [http://a:30000,http://b:30000].
+hydra_list() {
+    local IFS=,
+    printf '[%s]' "$*"
+}
+
+# parse_launch_args MULTI_NODE USAGE_FUNCTION "$@"
+# Options of the two launchers. Sets PRESET, GPUS_PER_NODE, SGLANG_MODE, SGLANG_PORT,
+# SGLANG_TIMEOUT, DRY_RUN, OVERRIDES, URLS and, with MULTI_NODE=true, NNODES, NODE_RANK,
+# MASTER_ADDR, MASTER_PORT, NODE_HOSTS and RDZV_ID (each of these also read from the environment).
+# shellcheck disable=SC2034
+parse_launch_args() {
+    local multi_node="$1" usage_function="$2"
+    shift 2
+    PRESET="${PRESET:-}"
+    GPUS_PER_NODE="${GPUS_PER_NODE:-8}"
+    SGLANG_MODE=""
+    SGLANG_PORT=""
+    SGLANG_TIMEOUT=1800
+    DRY_RUN=false
+    OVERRIDES=()
+    URLS=()
+    if [[ -n "${SGLANG_URLS:-}" ]]; then
+        IFS=, read -r -a URLS <<<"$SGLANG_URLS"
+    fi
+    # Slurm exports the node count and this node's index; explicit values win.
+    NNODES="${NNODES:-${SLURM_NNODES:-}}"
+    NODE_RANK="${NODE_RANK:-${SLURM_NODEID:-}}"
+    MASTER_ADDR="${MASTER_ADDR:-}"
+    MASTER_PORT="${MASTER_PORT:-29500}"
+    NODE_HOSTS="${NODE_HOSTS:-}"
+    RDZV_ID="${RDZV_ID:-megatron_gspo}"
+    while (($#)); do
+        case "$1" in
+            -h | --help)
+                "$usage_function"
+                exit 0
+                ;;
+            --preset | --gpus | --sglang | --sglang-url | --sglang-port | --sglang-timeout)
+                (($# >= 2)) || die "$1 needs a value"
+                case "$1" in
+                    --preset) PRESET="$2" ;;
+                    --gpus) GPUS_PER_NODE="$2" ;;
+                    --sglang) SGLANG_MODE="$2" ;;
+                    --sglang-url) URLS+=("$2") ;;
+                    --sglang-port) SGLANG_PORT="$2" ;;
+                    --sglang-timeout) SGLANG_TIMEOUT="$2" ;;
+                esac
+                shift 2
+                ;;
+            --nnodes | --node-rank | --master-addr | --master-port | --node-hosts | --rdzv-id)
+                [[ "$multi_node" == true ]] || die "$1 is an option of launch_multi_node.sh"
+                (($# >= 2)) || die "$1 needs a value"
+                case "$1" in
+                    --nnodes) NNODES="$2" ;;
+                    --node-rank) NODE_RANK="$2" ;;
+                    --master-addr) MASTER_ADDR="$2" ;;
+                    --master-port) MASTER_PORT="$2" ;;
+                    --node-hosts) NODE_HOSTS="$2" ;;
+                    --rdzv-id) RDZV_ID="$2" ;;
+                esac
+                shift 2
+                ;;
+            --dry-run)
+                DRY_RUN=true
+                shift
+                ;;
+            *=*)
+                OVERRIDES+=("$1")
+                shift
+                ;;
+            *)
+                "$usage_function" >&2
+                die "unknown argument '$1'"
+                ;;
+        esac
+    done
+    [[ "$GPUS_PER_NODE" =~ ^[1-9][0-9]*$ ]] || die "--gpus must be a positive integer, got '$GPUS_PER_NODE'"
+    [[ "$SGLANG_TIMEOUT" =~ ^[0-9]+$ ]] || die "--sglang-timeout must be a number of seconds, got '$SGLANG_TIMEOUT'"
+}
+
+# rollout_overrides_for MODE COLOCATED_URL...
+# Sets ROLLOUT_OVERRIDES, the Hydra overrides that point the trainer at its SGLang servers: the
+# colocated servers' URLs (given), or the dedicated ones (URLS). Needs read_config's CFG_*.
+rollout_overrides_for() {
+    local mode="$1"
+    shift
+    ROLLOUT_OVERRIDES=()
+    case "$mode" in
+        colocated)
+            ROLLOUT_OVERRIDES=(
+                rollout.engine=sglang
+                "rollout.sglang_urls=$(hydra_list "$@")"
+                rollout.sglang_release_memory=true
+            )
+            ;;
+        dedicated)
+            ((${#URLS[@]})) || die "--sglang dedicated needs the servers' URLs: --sglang-url http://HOST:PORT (repeatable) or SGLANG_URLS=url1,url2"
+            ROLLOUT_OVERRIDES=(
+                rollout.engine=sglang
+                "rollout.sglang_urls=$(hydra_list "${URLS[@]}")"
+                rollout.sglang_release_memory=false
+            )
+            # CUDA IPC handles only work between processes on the same GPUs.
+            if [[ "$CFG_WEIGHT_TRANSPORT" == tensor ]]; then
+                ROLLOUT_OVERRIDES+=(rollout.weight_transport=distributed)
+            fi
+            ;;
+        none) ;;
+        *) die "--sglang must be colocated, dedicated or none, got '$mode'" ;;
+    esac
+}

@@ -1,0 +1,95 @@
+#!/usr/bin/env bash
+# Start one SGLang rollout server with the settings of a preset, in the foreground.
+# shellcheck source-path=SCRIPTDIR
+set -euo pipefail
+
+script_dir="$(cd -- "$(dirname -- "${BASH_SOURCE[0]}")" && pwd)"
+# shellcheck source=common.sh
+source "$script_dir/common.sh"
+
+usage() {
+    cat <<'EOF'
+Usage: examples/moe/sglang_server.sh [options] [key=value ...] [-- sglang-arg ...]
+
+Starts `python -m sglang.launch_server` for the model and SGLang settings of a preset
+(model.hf_path, rollout.sglang_tp / sglang_ep / sglang_mem_fraction / sglang_extra_args;
+--enable-return-routed-experts when algo.routing_replay=r3), with the command the trainer itself
+builds (megatron_gspo/rollout/sglang_launcher.py). Use it on dedicated rollout nodes; the trainer
+then gets the servers' URLs (launch_*.sh --sglang dedicated --sglang-url URL). The launch scripts
+start colocated servers with the same command.
+
+Options:
+  --preset NAME|PATH   preset in examples/moe/ or a YAML path (default: qwen3_30b_a3b_gspo_1node)
+  --host HOST          address to listen on (default: 0.0.0.0, so trainer nodes can reach it)
+  --port PORT          port (default: the preset's rollout.sglang_port)
+  --colocated          the server shares its GPUs with the trainer: add --enable-memory-saver
+                       so the trainer can release its memory (rollout.sglang_release_memory)
+  --dry-run            print the command instead of running it
+  -h, --help           this help
+
+key=value arguments are Hydra overrides of the preset (rollout.sglang_tp=4, ...); arguments after
+`--` go to sglang.launch_server unchanged (e.g. -- --base-gpu-id 4 --moe-a2a-backend deepep).
+Select GPUs with CUDA_VISIBLE_DEVICES; SGLang serves no authentication, so bind it to a network
+that only the cluster can reach.
+
+Example (one 8-GPU rollout node for the 4-node GSPO preset):
+  examples/moe/sglang_server.sh --preset qwen3_30b_a3b_gspo_4node --port 30000
+EOF
+}
+
+preset=qwen3_30b_a3b_gspo_1node
+host=0.0.0.0
+port=""
+colocated=false
+dry_run=false
+overrides=()
+sglang_args=()
+while (($#)); do
+    case "$1" in
+        -h | --help)
+            usage
+            exit 0
+            ;;
+        --preset)
+            preset="${2:?--preset needs a value}"
+            shift 2
+            ;;
+        --host)
+            host="${2:?--host needs a value}"
+            shift 2
+            ;;
+        --port)
+            port="${2:?--port needs a value}"
+            shift 2
+            ;;
+        --colocated)
+            colocated=true
+            shift
+            ;;
+        --dry-run)
+            dry_run=true
+            shift
+            ;;
+        --)
+            shift
+            sglang_args=("$@")
+            break
+            ;;
+        *=*)
+            overrides+=("$1")
+            shift
+            ;;
+        *)
+            usage >&2
+            die "unknown argument '$1'"
+            ;;
+    esac
+done
+
+read_config "$preset" 0 "${overrides[@]}"
+build_sglang_command "$host" "${port:-$CFG_SGLANG_PORT}" "$colocated" "${sglang_args[@]}"
+if [[ "$dry_run" == true ]]; then
+    print_command "${SGLANG_COMMAND[@]}"
+    exit 0
+fi
+exec "${SGLANG_COMMAND[@]}"

@@ -1,0 +1,410 @@
+"""Hugging Face ``transformers`` config of a :class:`~megatron_gspo.config.ModelConfig`.
+
+One function builds the HF config that describes the same network as the Megatron model: the
+embedded rollout engine instantiates it, and checkpoint export writes it as ``config.json``.
+
+Field correspondence (ours -> HF):
+
+=============================  ==================================================================
+``vocab_size``                 ``vocab_size``
+``hidden_size``                ``hidden_size``
+``num_layers``                 ``num_hidden_layers``
+``num_attention_heads``        ``num_attention_heads``
+``num_query_groups``           ``num_key_value_heads``
+``head_dim``                   ``head_dim``
+``ffn_hidden_size``            ``intermediate_size`` (dense layers)
+``moe_ffn_hidden_size``        ``moe_intermediate_size`` (Mixtral: ``intermediate_size``)
+``num_experts``                ``num_experts`` (Mixtral: ``num_local_experts``)
+``moe_router_topk``            ``num_experts_per_tok``
+``moe_renormalize_topk``       ``norm_topk_prob`` (Mixtral always renormalises)
+``first_k_dense_layers``       ``mlp_only_layers = [0, ..., k-1]`` (Qwen MoE only)
+``shared_expert_...``          ``shared_expert_intermediate_size`` (Qwen2-MoE)
+``add_qkv_bias``               ``qkv_bias`` (Qwen2-MoE) / ``attention_bias`` (Qwen3)
+=============================  ==================================================================
+
+The router auxiliary loss is switched off (``output_router_logits=False``,
+``router_aux_loss_coef=0``): the trainer owns the load-balancing loss, and an HF forward must not
+add one behind its back.
+
+``rope_theta`` is written both as HF 5's ``rope_parameters`` and as the flat ``rope_theta`` key,
+because transformers 4.57 silently ignores ``rope_parameters`` (see
+``reference/hf-megatron-mapping.md`` section 1, "config compatibility hazard").
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from megatron_gspo.config import ConfigError, ModelConfig
+
+HF_ARCHITECTURE_CLASS = {
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+    "qwen2_moe": "Qwen2MoeForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
+"""``transformers`` causal-LM class of each of our architectures."""
+
+
+def _check_representable(model: ModelConfig) -> None:
+    """Reject the combinations the HF class of ``model.architecture`` cannot express."""
+    arch = model.architecture
+    if arch in ("qwen3_moe", "qwen3") and not model.qk_layernorm:
+        raise ConfigError(
+            "model.qk_layernorm",
+            f"{arch} without q/k layernorm",
+            "the transformers Qwen3 attention always applies q_norm/k_norm",
+            "set model.qk_layernorm=true",
+        )
+    if arch in ("mixtral", "qwen2_moe") and model.qk_layernorm:
+        raise ConfigError(
+            "model.qk_layernorm",
+            f"{arch} with q/k layernorm",
+            f"the transformers {HF_ARCHITECTURE_CLASS[arch]} attention has no q_norm/k_norm",
+            "set model.qk_layernorm=false",
+        )
+    if arch == "mixtral":
+        if model.first_k_dense_layers:
+            raise ConfigError(
+                "model.first_k_dense_layers",
+                f"mixtral with {model.first_k_dense_layers} dense layers",
+                "every Mixtral decoder layer is a sparse MoE layer",
+                "set model.first_k_dense_layers=0 or use architecture=qwen3_moe",
+            )
+        if model.add_qkv_bias:
+            raise ConfigError(
+                "model.add_qkv_bias",
+                "mixtral with q/k/v bias",
+                "the transformers Mixtral attention has no bias",
+                "set model.add_qkv_bias=false",
+            )
+        if not model.moe_renormalize_topk:
+            raise ConfigError(
+                "model.moe_renormalize_topk",
+                "mixtral without top-k renormalisation",
+                "Mixtral's router always renormalises the top-k probabilities",
+                "set model.moe_renormalize_topk=true",
+            )
+    if arch in ("qwen3_moe", "qwen3") and model.add_qkv_bias:
+        raise ConfigError(
+            "model.add_qkv_bias",
+            f"{arch} with q/k/v bias",
+            "the transformers Qwen3 attention_bias switch also adds an o_proj bias, which the "
+            "Megatron model (add_qkv_bias) does not have",
+            "set model.add_qkv_bias=false, or use architecture=qwen2_moe for q/k/v bias",
+        )
+    if arch != "qwen2_moe" and model.shared_expert_intermediate_size:
+        raise ConfigError(
+            "model.shared_expert_intermediate_size",
+            f"a shared expert on {arch}",
+            "only the Qwen2-MoE HF class has a (gated) shared expert",
+            "set model.shared_expert_intermediate_size=0 or use architecture=qwen2_moe",
+        )
+
+
+def hf_config_kwargs(model: ModelConfig) -> dict[str, Any]:
+    """Keyword arguments of the HF config class for ``model`` (plain data, JSON-serialisable).
+
+    Raises :class:`ConfigError` when the HF class cannot represent ``model``.
+    """
+    _check_representable(model)
+    kwargs: dict[str, Any] = {
+        "vocab_size": model.vocab_size,
+        "hidden_size": model.hidden_size,
+        "num_hidden_layers": model.num_layers,
+        "num_attention_heads": model.num_attention_heads,
+        "num_key_value_heads": model.num_query_groups,
+        "head_dim": model.head_dim,
+        "intermediate_size": model.ffn_hidden_size,
+        "rms_norm_eps": model.rms_norm_eps,
+        "rope_theta": model.rope_theta,
+        "max_position_embeddings": model.max_position_embeddings,
+        "tie_word_embeddings": model.tie_word_embeddings,
+        "initializer_range": model.init_std,
+        "hidden_act": "silu",
+        "attention_dropout": 0.0,
+        "use_sliding_window": False,
+        "architectures": [HF_ARCHITECTURE_CLASS[model.architecture]],
+    }
+    arch = model.architecture
+    if arch == "qwen3":
+        kwargs["attention_bias"] = model.add_qkv_bias
+        return kwargs
+    kwargs.update(
+        num_experts_per_tok=model.moe_router_topk,
+        output_router_logits=False,
+        router_aux_loss_coef=0.0,
+    )
+    if arch == "mixtral":
+        # Mixtral has no dense layers, so its only FFN width is the experts' one.
+        kwargs.update(
+            intermediate_size=model.moe_ffn_hidden_size,
+            num_local_experts=model.num_experts,
+            router_jitter_noise=0.0,
+        )
+        return kwargs
+    kwargs.update(
+        moe_intermediate_size=model.moe_ffn_hidden_size,
+        num_experts=model.num_experts,
+        norm_topk_prob=model.moe_renormalize_topk,
+        decoder_sparse_step=1,
+        mlp_only_layers=list(range(model.first_k_dense_layers)),
+    )
+    if arch == "qwen3_moe":
+        kwargs["attention_bias"] = model.add_qkv_bias
+    else:  # qwen2_moe
+        kwargs.update(
+            qkv_bias=model.add_qkv_bias,
+            shared_expert_intermediate_size=model.shared_expert_intermediate_size,
+        )
+    return kwargs
+
+
+def hf_config_from_model_config(model: ModelConfig):
+    """The ``transformers`` config object (``Qwen3MoeConfig``, ``MixtralConfig``, ...) of ``model``.
+
+    The flat ``rope_theta`` attribute is set next to ``rope_parameters`` so that the saved
+    ``config.json`` is read correctly by transformers 4.x as well.
+    """
+    import transformers
+
+    kwargs = hf_config_kwargs(model)
+    config_class_name = {
+        "qwen3_moe": "Qwen3MoeConfig",
+        "mixtral": "MixtralConfig",
+        "qwen2_moe": "Qwen2MoeConfig",
+        "qwen3": "Qwen3Config",
+    }[model.architecture]
+    config = getattr(transformers, config_class_name)(**kwargs)
+    config.rope_theta = model.rope_theta
+    return config
+
+
+# ---------------------------------------------------------------------------------------------
+# config.json: writing (both transformers 4 and 5 spellings) and reading
+# ---------------------------------------------------------------------------------------------
+
+_TRAINING_ONLY_KEYS = ("router_aux_loss_coef", "output_router_logits", "initializer_range")
+"""Keys of :func:`hf_config_kwargs` that describe training, not the network: an export keeps the
+original checkpoint's values of these."""
+
+
+def hf_config_dict(
+    model: ModelConfig, *, base: dict[str, Any] | None = None, dtype: str | None = None
+) -> dict[str, Any]:
+    """The ``config.json`` content of ``model``, readable by transformers 4.5x and 5.x.
+
+    Both spellings of every key that changed between the two are written, because each version
+    silently falls back to its default for the spelling it does not know (4.57 read a 5.x
+    Qwen3-MoE config as 128 experts and rope_theta 10000):
+
+    * ``num_experts`` and ``num_local_experts`` (MoE architectures);
+    * ``rope_theta`` and ``rope_parameters = {"rope_type": "default", "rope_theta": ...}``;
+    * ``torch_dtype`` and ``dtype``.
+
+    ``base`` is the original checkpoint's config.json: its keys (token ids, training settings)
+    are kept and the architecture keys are overwritten with ``model``'s values. ``dtype``
+    (``"bfloat16"``/``"float32"``) defaults to ``model.dtype``.
+    """
+    kwargs = hf_config_kwargs(model)
+    if base is None:
+        # What save_pretrained writes: the keys that differ from the class defaults.
+        config = hf_config_from_model_config(model).to_diff_dict()
+        config.update(kwargs)
+    else:
+        config = dict(base)
+        config.update({k: v for k, v in kwargs.items() if k not in _TRAINING_ONLY_KEYS})
+    config["model_type"] = model.architecture
+    config["rope_theta"] = model.rope_theta
+    rope_parameters = dict(config.get("rope_parameters") or {})
+    rope_parameters.update(rope_type="default", rope_theta=model.rope_theta)
+    config["rope_parameters"] = rope_parameters
+    config.pop("rope_scaling", None)
+    if model.is_moe:
+        config["num_experts"] = config["num_local_experts"] = model.num_experts
+    dtype = dtype or model.dtype
+    config["torch_dtype"] = config["dtype"] = dtype
+    return config
+
+
+def _hf_rope_theta(config: Any, model_type: str) -> float:
+    rope_parameters = getattr(config, "rope_parameters", None) or {}
+    rope_scaling = getattr(config, "rope_scaling", None) or {}
+    rope_type = rope_parameters.get("rope_type") or rope_scaling.get("rope_type") or "default"
+    if rope_type != "default" or rope_scaling.get("type") not in (None, "default"):
+        raise ConfigError(
+            "model.hf_path",
+            f"the {model_type} config uses RoPE scaling {rope_type!r}",
+            "the Megatron model is built with plain RoPE, so positions would be encoded "
+            "differently from the HF model",
+            "remove rope_scaling from config.json (plain RoPE) or use a checkpoint without it",
+        )
+    theta = rope_parameters.get("rope_theta", getattr(config, "rope_theta", None))
+    if theta is None:
+        raise ConfigError(
+            "model.hf_path",
+            f"the {model_type} config has neither rope_parameters.rope_theta nor rope_theta",
+            "the RoPE base frequency must be known",
+            "add rope_theta to config.json",
+        )
+    return float(theta)
+
+
+def model_config_fields_from_hf(config_json: dict[str, Any]) -> dict[str, Any]:
+    """The :class:`ModelConfig` fields described by an HF ``config.json`` (as a dict).
+
+    The dict is parsed by the installed transformers config class, so missing keys take the same
+    defaults transformers would use when loading that directory, and both the 4.x and 5.x
+    spellings are understood. Raises :class:`ConfigError` for what the Megatron model cannot
+    reproduce (sliding-window attention, RoPE scaling, a non-SiLU activation, sparse-step layouts,
+    q/k/v bias on Qwen3).
+    """
+    import transformers
+
+    model_type = config_json.get("model_type")
+    if model_type not in HF_ARCHITECTURE_CLASS:
+        raise ConfigError(
+            "model.hf_path",
+            f"config.json has model_type={model_type!r}",
+            "a weight mapping exists only for " + ", ".join(HF_ARCHITECTURE_CLASS),
+            "use a Qwen3-MoE, Mixtral, Qwen2-MoE or Qwen3 checkpoint",
+        )
+    config_class = transformers.CONFIG_MAPPING[model_type]
+    config = config_class(
+        **{k: v for k, v in config_json.items() if k not in ("model_type", "transformers_version")}
+    )
+
+    def unsupported(key: str, what: str, fix: str) -> ConfigError:
+        return ConfigError(
+            "model.hf_path",
+            f"config.json {key}: {what}",
+            "the Megatron model cannot express it",
+            fix,
+        )
+
+    if getattr(config, "hidden_act", "silu") != "silu":
+        raise unsupported("hidden_act", repr(config.hidden_act), "use a SiLU (SwiGLU) model")
+    sliding = getattr(config, "sliding_window", None)
+    if sliding and (model_type == "mixtral" or getattr(config, "use_sliding_window", False)):
+        raise unsupported(
+            "sliding_window", f"sliding-window attention ({sliding})", "set sliding_window=null"
+        )
+    heads = config.num_attention_heads
+    fields: dict[str, Any] = {
+        "architecture": model_type,
+        "vocab_size": config.vocab_size,
+        "hidden_size": config.hidden_size,
+        "num_layers": config.num_hidden_layers,
+        "num_attention_heads": heads,
+        "num_query_groups": getattr(config, "num_key_value_heads", None) or heads,
+        "head_dim": getattr(config, "head_dim", None) or config.hidden_size // heads,
+        "rms_norm_eps": float(config.rms_norm_eps),
+        "rope_theta": _hf_rope_theta(config, model_type),
+        "max_position_embeddings": config.max_position_embeddings,
+        "tie_word_embeddings": bool(getattr(config, "tie_word_embeddings", False)),
+        "qk_layernorm": model_type in ("qwen3_moe", "qwen3"),
+        "add_qkv_bias": bool(getattr(config, "qkv_bias", True))
+        if model_type == "qwen2_moe"
+        else False,
+    }
+    if model_type in ("qwen3_moe", "qwen3") and getattr(config, "attention_bias", False):
+        raise unsupported(
+            "attention_bias",
+            "true (bias on q/k/v and o_proj)",
+            "use a model without attention bias",
+        )
+    if model_type == "qwen3":
+        fields["ffn_hidden_size"] = config.intermediate_size
+        return fields
+    fields["moe_router_topk"] = config.num_experts_per_tok
+    if model_type == "mixtral":
+        fields.update(
+            num_experts=config.num_local_experts,
+            moe_ffn_hidden_size=config.intermediate_size,
+            moe_renormalize_topk=True,
+            first_k_dense_layers=0,
+        )
+        return fields
+    num_experts = getattr(config, "num_experts", None) or config.num_local_experts
+    mlp_only_layers = sorted(getattr(config, "mlp_only_layers", None) or [])
+    if mlp_only_layers != list(range(len(mlp_only_layers))):
+        raise unsupported(
+            "mlp_only_layers",
+            f"{mlp_only_layers} is not a prefix 0..k-1",
+            "use first-k dense layers",
+        )
+    if getattr(config, "decoder_sparse_step", 1) != 1:
+        raise unsupported(
+            "decoder_sparse_step",
+            f"{config.decoder_sparse_step} (MoE every few layers)",
+            "use decoder_sparse_step=1",
+        )
+    fields.update(
+        num_experts=num_experts,
+        moe_ffn_hidden_size=config.moe_intermediate_size,
+        ffn_hidden_size=config.intermediate_size,
+        moe_renormalize_topk=bool(config.norm_topk_prob),
+        first_k_dense_layers=len(mlp_only_layers),
+    )
+    if model_type == "qwen2_moe":
+        fields["shared_expert_intermediate_size"] = config.shared_expert_intermediate_size
+    return fields
+
+
+def model_config_from_hf(
+    config_json: dict[str, Any], base: ModelConfig | None = None
+) -> ModelConfig:
+    """``base`` (default: a default :class:`ModelConfig`) with the fields of an HF config.json.
+
+    A field of ``base`` that differs from the :class:`ModelConfig` default was set by the user
+    and must agree with the checkpoint; otherwise the checkpoint's value is taken. (A field set
+    explicitly to its default value cannot be told apart and takes the checkpoint's value.)
+    """
+    import dataclasses
+
+    base = base or ModelConfig()
+    fields = model_config_fields_from_hf(config_json)
+    defaults = ModelConfig()
+    for name, hf_value in fields.items():
+        value = getattr(base, name)
+        if value != getattr(defaults, name) and value != hf_value:
+            raise ConfigError(
+                f"model.{name}",
+                f"{value!r} disagrees with the HF checkpoint's {hf_value!r}",
+                "the architecture and sizes of a model started from model.hf_path come from its "
+                "config.json",
+                f"remove model.{name} from the config or set it to {hf_value!r}",
+            )
+    return dataclasses.replace(base, **fields)
+
+
+def read_hf_config(hf_dir: str) -> dict[str, Any]:
+    """``hf_dir/config.json`` as a dict, with a clear error when it is missing or malformed."""
+    import json
+    import os
+
+    path = os.path.join(hf_dir, "config.json")
+    try:
+        with open(path, encoding="utf-8") as file:
+            return json.load(file)
+    except FileNotFoundError:
+        raise ConfigError(
+            "model.hf_path",
+            f"{path} does not exist",
+            "a Hugging Face model directory holds config.json next to its safetensors",
+            "point model.hf_path at a directory written by save_pretrained",
+        ) from None
+    except json.JSONDecodeError as error:
+        raise ConfigError(
+            "model.hf_path",
+            f"{path} is not valid JSON (line {error.lineno}: {error.msg})",
+            "config.json describes the architecture",
+            "repair or replace config.json",
+        ) from None
+
+
+def resolve_model_config(model: ModelConfig) -> ModelConfig:
+    """``model`` completed from ``model.hf_path``'s config.json (unchanged when hf_path is null)."""
+    if not model.hf_path:
+        return model
+    return model_config_from_hf(read_hf_config(model.hf_path), model)

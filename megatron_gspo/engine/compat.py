@@ -1,0 +1,548 @@
+"""Megatron-Core version differences and the CPU shims, in one place.
+
+Megatron-Core assumes CUDA. On a machine without a GPU (CI, development) :func:`apply_cpu_shims`
+replaces the few upstream places that allocate on ``"cuda"``, use CUDA streams/RNG or reject CPU
+tensors, so that the same training code runs under gloo on CPU. Nothing here is applied when CUDA
+is available, and every shim is idempotent. Each shim names the upstream function it covers and the
+megatron-core versions it was checked against (:data:`CHECKED_VERSIONS`); ``tests/engine`` has a
+test per shim that fails when an upstream change makes it unnecessary or ineffective.
+
+Section numbers follow ``reference/megatron-cpu.md`` ("The CPU shims that were needed"); 2b (the
+grad-norm fallback) and 5b (``Tensor.cuda()`` when tying embeddings over pipeline stages) were
+found here. Shim 9 is not a patch but a norm class used in the local layer spec.
+
+Version differences (0.16.1 on CPU CI, newer in the GPU image) are detected by feature, never by
+comparing version strings in the code that uses them: see :data:`MEGATRON_CORE_VERSION`,
+:func:`has_router_replay`, :func:`gpt_postprocess_parameters`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import inspect
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import megatron.core
+import torch
+import torch.distributed as dist
+from megatron.core import package_info
+
+logger = logging.getLogger(__name__)
+
+MEGATRON_CORE_VERSION: tuple[int, int, int] = tuple(int(v) for v in package_info.VERSION[:3])
+"""(major, minor, patch) of the installed megatron-core."""
+
+CHECKED_VERSIONS = ("0.16.1",)
+"""megatron-core versions on which every shim below was checked (the only ones installable on
+Python 3.11; 0.13.1-0.15.x needed the same set but lack RouterReplay)."""
+
+
+def cuda_available() -> bool:
+    return torch.cuda.is_available()
+
+
+def has_transformer_engine() -> bool:
+    """Transformer Engine imports (it is only used together with a GPU)."""
+    try:
+        import transformer_engine  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def has_router_replay() -> bool:
+    """megatron-core ships ``RouterReplay`` (0.16 and later)."""
+    try:
+        from megatron.core.transformer.moe import router_replay  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def gpt_postprocess_parameters() -> tuple[str, ...]:
+    """Parameter names of ``GPTModel._postprocess`` in this version (``PolicyModel`` overrides it
+    and must accept what ``GPTModel.forward`` passes)."""
+    from megatron.core.models.gpt.gpt_model import GPTModel
+
+    return tuple(inspect.signature(GPTModel._postprocess).parameters)[1:]
+
+
+# ---------------------------------------------------------------------------------------------
+# Shim registry
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Shim:
+    name: str
+    upstream: str
+    """The upstream function(s) or call sites the shim covers."""
+    apply: Callable[[], None]
+
+
+_SHIMS: list[Shim] = []
+_APPLIED = False
+
+
+def _shim(name: str, upstream: str) -> Callable[[Callable[[], None]], Callable[[], None]]:
+    """Register a shim; its docstring gains the upstream place and the checked versions."""
+
+    def register(function: Callable[[], None]) -> Callable[[], None]:
+        function.__doc__ = (
+            f"{(function.__doc__ or '').strip()}\n\nCovers: {upstream}.\n"
+            f"Checked on megatron-core {', '.join(CHECKED_VERSIONS)}."
+        )
+        _SHIMS.append(Shim(name, upstream, function))
+        return function
+
+    return register
+
+
+def registered_shims() -> list[Shim]:
+    return list(_SHIMS)
+
+
+def apply_cpu_shims() -> bool:
+    """Apply every CPU shim once when CUDA is absent; returns whether shims are active."""
+    global _APPLIED
+    if cuda_available():
+        return False
+    if _APPLIED:
+        return True
+    if ".".join(map(str, MEGATRON_CORE_VERSION)) not in CHECKED_VERSIONS:
+        logger.warning(
+            "megatron-core %s: the CPU shims were checked on %s only; run tests/engine to verify",
+            megatron.core.__version__,
+            ", ".join(CHECKED_VERSIONS),
+        )
+    for shim in _SHIMS:
+        shim.apply()
+    _APPLIED = True
+    return True
+
+
+def cpu_shims_active() -> bool:
+    return _APPLIED
+
+
+# ---------------------------------------------------------------------------------------------
+# 1. torch.cuda.current_device
+# ---------------------------------------------------------------------------------------------
+
+_CPU = torch.device("cpu")
+
+
+@_shim(
+    "current_device",
+    "torch.cuda.current_device() used as the device of ~100 allocations (DDP grad buffers, "
+    "tensor_parallel.mappings gathers, router.gating, p2p shape exchange)",
+)
+def _shim_current_device() -> None:
+    """``torch.cuda.current_device()`` returns the CPU device."""
+    torch.cuda.current_device = lambda: _CPU
+
+
+# ---------------------------------------------------------------------------------------------
+# 2. Hard-coded device="cuda" allocations
+# ---------------------------------------------------------------------------------------------
+
+
+def _is_cuda_device(device: Any) -> bool:
+    if isinstance(device, str):
+        return device.startswith("cuda")
+    if isinstance(device, torch.device):
+        return device.type == "cuda"
+    return False
+
+
+class _CpuAllocatingTorch:
+    """Stands in for the ``torch`` module inside one upstream module: tensor factories called
+    with ``device="cuda"`` allocate on CPU, and ``pin_memory`` is dropped. Everything else is
+    the real ``torch``."""
+
+    _FACTORIES = ("tensor", "zeros", "ones", "empty", "full", "arange", "zeros_like", "empty_like")
+
+    def __init__(self, real_torch: Any):
+        self._torch = real_torch
+
+    def __getattr__(self, name: str) -> Any:
+        value = getattr(self._torch, name)
+        if name in self._FACTORIES:
+            return self._wrap(value)
+        return value
+
+    @staticmethod
+    def _wrap(factory: Callable) -> Callable:
+        @functools.wraps(factory)
+        def cpu_factory(*args: Any, **kwargs: Any) -> Any:
+            if _is_cuda_device(kwargs.get("device")):
+                kwargs["device"] = _CPU
+            kwargs.pop("pin_memory", None)
+            return factory(*args, **kwargs)
+
+        return cpu_factory
+
+
+CUDA_ALLOCATING_MODULES = (
+    "megatron.core.pipeline_parallel.schedules",
+    "megatron.core.optimizer.optimizer",
+    "megatron.core.optimizer.clip_grads",
+    "megatron.core.optimizer.grad_scaler",
+    "megatron.core.transformer.moe.moe_utils",
+)
+"""Modules whose functions allocate with a literal ``device="cuda"`` on our path: schedules
+(``total_num_tokens`` of every forward_backward function), optimizer (``FP32Optimizer._scale``,
+``MixedPrecisionOptimizer.found_inf`` / ``_dummy_overflow_buf`` / ``_scale_one``), clip_grads
+(``get_grad_norm_fp32``, ``clip_grad_by_total_norm_fp32``, ``count_zeros_fp32``), grad_scaler
+(scaler state), moe_utils (``reduce_aux_losses_tracker_across_ranks`` tracker init)."""
+
+
+@_shim(
+    "cuda_allocations",
+    "device='cuda' literals in " + ", ".join(m.rsplit(".", 1)[-1] for m in CUDA_ALLOCATING_MODULES),
+)
+def _shim_cuda_allocations() -> None:
+    """Each listed module sees a ``torch`` whose factories allocate on CPU (module-scoped, not a
+    global change of torch)."""
+    import importlib
+
+    for module_name in CUDA_ALLOCATING_MODULES:
+        module = importlib.import_module(module_name)
+        if not isinstance(module.torch, _CpuAllocatingTorch):
+            module.torch = _CpuAllocatingTorch(module.torch)
+
+
+# 2b. The grad-norm fallback without apex/TE.
+@_shim(
+    "local_l2_norm",
+    "megatron.core.utils.local_multi_tensor_l2_norm (allocates its result on 'cuda'), bound as "
+    "optimizer.clip_grads.l2_norm_impl without apex/TE",
+)
+def _shim_l2_norm() -> None:
+    """The grad-norm fallback accumulates in fp64 on CPU and returns a CPU tensor."""
+    from megatron.core.optimizer import clip_grads
+
+    def cpu_multi_tensor_l2_norm(chunk_size, noop_flag, tensor_lists, per_tensor, *args):
+        squares = [t.detach().double().pow(2).sum() for tensors in tensor_lists for t in tensors]
+        total = (
+            torch.stack(squares).sum().sqrt() if squares else torch.zeros((), dtype=torch.float64)
+        )
+        return total.float().reshape(1), None
+
+    clip_grads.l2_norm_impl = cpu_multi_tensor_l2_norm
+
+
+# ---------------------------------------------------------------------------------------------
+# 3. CUDA RNG
+# ---------------------------------------------------------------------------------------------
+
+_STANDIN_CUDA_GENERATOR = torch.Generator(device="cpu")
+"""Plays the CUDA default generator. A separate generator (not the CPU default one) so that
+``model_parallel_cuda_manual_seed`` does not reseed the CPU stream. Dropout is 0 on CPU runs, so
+nothing draws from it; it only has to hold the tracker's states."""
+
+
+@_shim(
+    "cuda_rng",
+    "torch.cuda.get_rng_state/set_rng_state/manual_seed and "
+    "tensor_parallel.random._get_cuda_rng_state/_set_cuda_rng_state (model_parallel_cuda_manual_seed,"
+    " CudaRNGStatesTracker.add/fork used by TransformerBlock under sequence parallel)",
+)
+def _shim_cuda_rng() -> None:
+    """CUDA RNG calls read and write a CPU stand-in generator."""
+    from megatron.core.tensor_parallel import random as tp_random
+
+    def get_rng_state(device: Any = "cuda", clone: bool = False, graph_safe: bool = False):
+        return _STANDIN_CUDA_GENERATOR.get_state()
+
+    def set_rng_state(new_state: torch.Tensor, device: Any = -1, graph_safe: bool = False):
+        _STANDIN_CUDA_GENERATOR.set_state(new_state)
+
+    torch.cuda.get_rng_state = get_rng_state
+    torch.cuda.set_rng_state = set_rng_state
+    torch.cuda.manual_seed = lambda seed: _STANDIN_CUDA_GENERATOR.manual_seed(int(seed))
+    tp_random._get_cuda_rng_state = get_rng_state
+    tp_random._set_cuda_rng_state = set_rng_state
+
+
+# ---------------------------------------------------------------------------------------------
+# 4 + 6. Synchronisation, streams and events
+# ---------------------------------------------------------------------------------------------
+
+
+class _CpuEvent:
+    def __init__(self, *args: Any, **kwargs: Any):
+        pass
+
+    def record(self, stream: Any = None) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+    def wait(self, stream: Any = None) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+
+class _CpuStream:
+    """All streams are one stream on CPU: ``current_stream() == Stream()`` so upstream code takes
+    its same-stream path (no ``record_stream``)."""
+
+    _instance: _CpuStream | None = None
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> _CpuStream:
+        if cls._instance is None:
+            cls._instance = super().__new__(cls)
+        return cls._instance
+
+    def wait_stream(self, stream: Any) -> None:
+        pass
+
+    def wait_event(self, event: Any) -> None:
+        pass
+
+    def record_event(self, event: Any = None) -> _CpuEvent:
+        return event if event is not None else _CpuEvent()
+
+    def synchronize(self) -> None:
+        pass
+
+
+@_shim(
+    "synchronize_and_streams",
+    "torch.cuda.synchronize (p2p_communication._p2p_ops / _communicate, DDP, dist-checkpoint "
+    "writer); torch.cuda.Stream/current_stream/default_stream/stream/Event "
+    "(MoEAlltoAllTokenDispatcher.__init__ and _maybe_dtoh_and_synchronize, param_and_grad_buffer)",
+)
+def _shim_streams() -> None:
+    """Synchronisation is a no-op and every stream is one CPU stand-in."""
+    torch.cuda.synchronize = lambda device=None: None
+    torch.cuda.Stream = _CpuStream
+    torch.cuda.Event = _CpuEvent
+    torch.cuda.current_stream = lambda device=None: _CpuStream()
+    torch.cuda.default_stream = lambda device=None: _CpuStream()
+    torch.cuda.stream = lambda stream=None: contextlib.nullcontext()
+
+
+# ---------------------------------------------------------------------------------------------
+# 5. Tensor.type() == 'torch.cuda.FloatTensor' checks
+# ---------------------------------------------------------------------------------------------
+
+_REAL_TENSOR_TYPE = torch.Tensor.type
+
+
+def _cuda_named_type(self: torch.Tensor, dtype: Any = None, non_blocking: bool = False, **kwargs):
+    if dtype is None and not kwargs and self.device.type == "cpu":
+        return _REAL_TENSOR_TYPE(self).replace("torch.", "torch.cuda.", 1)
+    return _REAL_TENSOR_TYPE(self, dtype, non_blocking, **kwargs)
+
+
+def _with_cuda_type_names(function: Callable) -> Callable:
+    """Run ``function`` with ``Tensor.type()`` reporting CPU tensors under their CUDA names."""
+    if getattr(function, "_cpu_shim", False):
+        return function
+
+    @functools.wraps(function)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        torch.Tensor.type = _cuda_named_type
+        try:
+            return function(*args, **kwargs)
+        finally:
+            torch.Tensor.type = _REAL_TENSOR_TYPE
+
+    wrapper._cpu_shim = True
+    return wrapper
+
+
+@_shim(
+    "tensor_type_names",
+    "optimizer.clip_grads.clip_grad_by_total_norm_fp32 (asserts grad.type() == "
+    "'torch.cuda.FloatTensor') and DistributedOptimizer._build_model_and_main_param_groups "
+    "('Wrapped parameters must be one of torch.cuda.FloatTensor...')",
+)
+def _shim_tensor_type() -> None:
+    """Only while those two functions run, ``Tensor.type()`` names CPU tensors as CUDA ones."""
+    from megatron.core.optimizer import clip_grads, distrib_optimizer, optimizer
+
+    wrapped = _with_cuda_type_names(clip_grads.clip_grad_by_total_norm_fp32)
+    clip_grads.clip_grad_by_total_norm_fp32 = wrapped
+    optimizer.clip_grad_by_total_norm_fp32 = wrapped
+    cls = distrib_optimizer.DistributedOptimizer
+    build = cls.__dict__["_build_model_and_main_param_groups"]
+    # A classmethod in 0.16.1 (a staticmethod in older versions): keep the descriptor type.
+    descriptor = type(build) if isinstance(build, (classmethod, staticmethod)) else None
+    function = build.__func__ if descriptor else build
+    if not getattr(function, "_cpu_shim", False):
+        wrapped = _with_cuda_type_names(function)
+        cls._build_model_and_main_param_groups = descriptor(wrapped) if descriptor else wrapped
+
+
+# ---------------------------------------------------------------------------------------------
+# 5b. Tensor.cuda() while tying embeddings across pipeline stages
+# ---------------------------------------------------------------------------------------------
+
+_REAL_TENSOR_CUDA = torch.Tensor.cuda
+
+
+def _with_cuda_as_identity(function: Callable) -> Callable:
+    """Run ``function`` with ``Tensor.cuda()`` returning the (CPU) tensor itself."""
+    if getattr(function, "_cpu_shim", False):
+        return function
+
+    @functools.wraps(function)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        torch.Tensor.cuda = lambda self, *a, **k: self
+        try:
+            return function(*args, **kwargs)
+        finally:
+            torch.Tensor.cuda = _REAL_TENSOR_CUDA
+
+    wrapper._cpu_shim = True
+    return wrapper
+
+
+@_shim(
+    "tied_embedding_cuda",
+    "models.common.language_module.LanguageModule.setup_embeddings_and_output_layer: "
+    "'weight.data = weight.data.cuda()' before all-reducing the tied embedding copy of the last "
+    "pipeline stage (tied embeddings with pp > 1)",
+)
+def _shim_tied_embedding_cuda() -> None:
+    """Only while that method runs, ``Tensor.cuda()`` keeps tensors on CPU."""
+    from megatron.core.models.common.language_module.language_module import LanguageModule
+
+    LanguageModule.setup_embeddings_and_output_layer = _with_cuda_as_identity(
+        LanguageModule.setup_embeddings_and_output_layer
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# 7. moe_utils.te_general_gemm
+# ---------------------------------------------------------------------------------------------
+
+
+@_shim(
+    "te_general_gemm",
+    "transformer.moe.moe_utils.RouterGatingLinearFunction reads te_general_gemm, which is only "
+    "defined when Transformer Engine imports (NameError otherwise; upstream bug 0.13-0.16)",
+)
+def _shim_te_general_gemm() -> None:
+    """Define ``moe_utils.te_general_gemm = None`` so the router takes its torch.mm path."""
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+
+
+# ---------------------------------------------------------------------------------------------
+# 8. maybe_move_tensor_to_cpu(as_numpy=True)
+# ---------------------------------------------------------------------------------------------
+
+
+def _cpu_maybe_move_tensor_to_cpu(
+    tensor: Any, as_numpy: bool = False, record_stream: bool = False
+) -> Any:
+    """Like upstream, but also converts CPU tensors when ``as_numpy`` (split sizes for
+    ``all_to_all_single`` must be Python sequences)."""
+    if torch.is_tensor(tensor):
+        tensor = tensor.detach().cpu()
+        if as_numpy:
+            return tensor.numpy()
+    return tensor
+
+
+@_shim(
+    "split_sizes_to_numpy",
+    "transformer.moe.moe_utils.maybe_move_tensor_to_cpu (and its import in token_dispatcher): "
+    "keeps CPU split sizes as tensors, which all_to_all_single rejects with ep > 1",
+)
+def _shim_split_sizes() -> None:
+    """``maybe_move_tensor_to_cpu(..., as_numpy=True)`` returns numpy arrays for CPU tensors."""
+    from megatron.core.transformer.moe import moe_utils, token_dispatcher
+
+    moe_utils.maybe_move_tensor_to_cpu = _cpu_maybe_move_tensor_to_cpu
+    token_dispatcher.maybe_move_tensor_to_cpu = _cpu_maybe_move_tensor_to_cpu
+
+
+# ---------------------------------------------------------------------------------------------
+# 9. Norms under sequence parallel
+# ---------------------------------------------------------------------------------------------
+
+
+class SequenceParallelTorchNorm:
+    """Builds ``torch.nn.RMSNorm`` / ``LayerNorm`` and tags its parameters ``sequence_parallel``.
+
+    Covers ``megatron.core.transformer.torch_norm.WrappedTorchNorm`` (the local spec's norm without
+    apex), which asserts ``not config.sequence_parallel``. Under sequence parallel each tensor
+    rank normalises a different slice of tokens with the same replicated weight, so the weight's
+    gradient must be summed over tp: ``finalize_model_grads`` does that for parameters tagged
+    ``sequence_parallel=True``. Used in the local layer spec (it is a spec substitution, not a
+    patch), only without a GPU.
+    """
+
+    def __new__(
+        cls,
+        config: Any,
+        hidden_size: int,
+        eps: float = 1e-5,
+        persist_layer_norm: bool = False,
+        zero_centered_gamma: bool = False,
+        normalization: str = "LayerNorm",
+    ) -> torch.nn.Module:
+        if config.normalization == "RMSNorm":
+            norm = torch.nn.RMSNorm(hidden_size, eps=eps, dtype=config.params_dtype)
+        elif config.normalization == "LayerNorm":
+            norm = torch.nn.LayerNorm(hidden_size, eps=eps, dtype=config.params_dtype)
+        else:
+            raise ValueError(f"normalization {config.normalization!r} is not supported on CPU")
+        for parameter in norm.parameters():
+            parameter.sequence_parallel = config.sequence_parallel
+        return norm
+
+
+# ---------------------------------------------------------------------------------------------
+# 10. Uneven all-gather on gloo
+# ---------------------------------------------------------------------------------------------
+
+
+def _padded_uneven_all_gather(original: Callable) -> Callable:
+    if getattr(original, "_cpu_shim", False):
+        return original
+
+    @functools.wraps(original)
+    def gather(input_, group, output_split_sizes=None, use_global_buffer=False):
+        if (
+            output_split_sizes is None
+            or group.size() == 1
+            or len(set(int(s) for s in output_split_sizes)) == 1
+        ):
+            return original(input_, group, output_split_sizes, use_global_buffer)
+        sizes = [int(s) for s in output_split_sizes]
+        longest = max(sizes)
+        padded = input_.new_zeros((longest, *input_.shape[1:]))
+        padded[: input_.shape[0]] = input_
+        gathered = input_.new_empty((longest * len(sizes), *input_.shape[1:]))
+        dist.all_gather_into_tensor(gathered, padded.contiguous(), group=group)
+        return torch.cat([gathered[r * longest : r * longest + n] for r, n in enumerate(sizes)])
+
+    gather._cpu_shim = True
+    return gather
+
+
+@_shim(
+    "uneven_all_gather",
+    "tensor_parallel.mappings._gather_along_first_dim with output_split_sizes (expert-tp > 1 "
+    "token gathers): gloo's allgather rejects tensors of different sizes",
+)
+def _shim_uneven_all_gather() -> None:
+    """Pad every rank's part to the longest, all-gather, strip the padding."""
+    from megatron.core.tensor_parallel import mappings
+
+    mappings._gather_along_first_dim = _padded_uneven_all_gather(mappings._gather_along_first_dim)

@@ -1,0 +1,341 @@
+"""The policy model: a Megatron-Core GPTModel for Qwen3-MoE, Mixtral, Qwen2-MoE and dense Qwen3.
+
+:func:`transformer_config` maps our :class:`~megatron_gspo.config.ModelConfig` and
+:class:`~megatron_gspo.config.ParallelConfig` to Megatron's ``TransformerConfig``;
+:func:`build_policy_model` builds one :class:`PolicyModel` chunk per virtual pipeline stage;
+:func:`wrap_with_ddp` wraps them in Megatron DDP for training.
+
+:class:`PolicyModel`'s last pipeline stage returns the final hidden states ``[s, b, h]`` instead of
+logits: log-probs come from the chunked vocab-parallel kernel (:mod:`megatron_gspo.engine.logprobs`)
+with the output-layer weight (:attr:`PolicyModel.output_weight`), so ``[tokens, vocab]`` logits are
+never materialised.
+
+Layer spec: Transformer Engine's when TE imports and a GPU is present (its attention handles THD
+and context parallel); otherwise the local spec with the CPU core attention
+(:class:`~megatron_gspo.engine.attention.PackedCoreAttention`), sequence-parallel-capable torch
+norms and ``SequentialMLP`` experts (``moe_grouped_gemm=False``).
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from typing import Any, Optional
+
+import torch
+import torch.nn.functional as F
+from megatron.core import parallel_state as mpu
+from megatron.core import tensor_parallel
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+from megatron.core.transformer.identity_op import IdentityOp
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from megatron_gspo.config import ModelConfig, ParallelConfig, TrainConfig
+from megatron_gspo.engine.attention import PackedCoreAttention
+from megatron_gspo.engine.compat import (
+    MEGATRON_CORE_VERSION,
+    SequenceParallelTorchNorm,
+    cuda_available,
+    gpt_postprocess_parameters,
+    has_router_replay,
+    has_transformer_engine,
+)
+from megatron_gspo.engine.parallel import ParallelState
+from megatron_gspo.engine.sharding import annotate_tensor_parallel_attributes
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def use_transformer_engine() -> bool:
+    """TE layer spec only with a GPU (TE's kernels are CUDA-only)."""
+    return cuda_available() and has_transformer_engine()
+
+
+def padded_vocab_size(vocab_size: int, tp: int) -> int:
+    """Vocab rounded up to a multiple of ``tp`` (the vocab-parallel embedding and output layer
+    split it evenly); the extra rows are never looked up and are left out of every softmax."""
+    return -(-vocab_size // tp) * tp
+
+
+def transformer_config(
+    model: ModelConfig,
+    parallel: ParallelConfig,
+    *,
+    moe_enable_routing_replay: bool = False,
+) -> TransformerConfig:
+    """Megatron ``TransformerConfig`` of the policy for this layout.
+
+    Architecture: RMSNorm, SwiGLU, RoPE (``rope_theta``), grouped-query attention, no linear
+    biases except Qwen2-MoE's q/k/v bias, QK-norm (Qwen3), top-k softmax router; renormalised
+    top-k (Qwen3-MoE, Mixtral) is Megatron's ``moe_router_pre_softmax=False`` (softmax over the
+    top-k logits), no renormalisation (Qwen2-MoE) is ``True`` (top-k of the full softmax).
+    Sequence parallel whenever tp > 1. CPU runs use the settings of
+    ``reference/megatron-cpu.md`` (no fusions, CPU initialisation, fp32).
+    """
+    on_gpu = cuda_available()
+    dtype = _DTYPES[model.dtype]
+    if not on_gpu and dtype != torch.float32:
+        raise ValueError(
+            f"model.dtype={model.dtype} without a GPU: CPU runs are fp32; set model.dtype=float32"
+        )
+    vpp = parallel.vpp if parallel.vpp and parallel.vpp > 1 else None
+    if model.is_moe and parallel.pp > 1 and parallel.moe_token_dispatcher == "allgather":
+        raise ValueError(
+            "parallel.moe_token_dispatcher=allgather with pp > 1: Megatron's allgather dispatcher "
+            "does not support the variable sequence lengths of packed micro-batches under "
+            "pipeline parallel; use parallel.moe_token_dispatcher=alltoall"
+        )
+    moe: dict[str, Any] = {}
+    if model.is_moe:
+        moe = dict(
+            num_moe_experts=model.num_experts,
+            moe_ffn_hidden_size=model.moe_ffn_hidden_size,
+            moe_router_topk=model.moe_router_topk,
+            moe_router_pre_softmax=not model.moe_renormalize_topk,
+            moe_router_score_function="softmax",
+            moe_router_load_balancing_type="aux_loss" if model.moe_aux_loss_coef > 0 else "none",
+            moe_aux_loss_coeff=model.moe_aux_loss_coef,
+            moe_grouped_gemm=use_transformer_engine(),
+            moe_shared_expert_intermediate_size=model.shared_expert_intermediate_size or None,
+            moe_shared_expert_gate=model.shared_expert_intermediate_size > 0
+            and model.architecture == "qwen2_moe",
+            moe_shared_expert_overlap=False,
+            moe_layer_freq=[0] * model.first_k_dense_layers
+            + [1] * (model.num_layers - model.first_k_dense_layers),
+            moe_permute_fusion=False,
+            moe_router_fusion=False,
+        )
+        if moe_enable_routing_replay:
+            if not has_router_replay():
+                raise RuntimeError(
+                    "routing replay needs megatron-core >= 0.16 (RouterReplay); installed "
+                    f"{'.'.join(map(str, MEGATRON_CORE_VERSION))}"
+                )
+            moe["moe_enable_routing_replay"] = True
+    recompute: dict[str, Any] = {}
+    if model.recompute_activations:
+        recompute = dict(
+            recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1
+        )
+    return TransformerConfig(
+        num_layers=model.num_layers,
+        hidden_size=model.hidden_size,
+        num_attention_heads=model.num_attention_heads,
+        num_query_groups=model.num_query_groups,
+        kv_channels=model.head_dim,
+        ffn_hidden_size=model.ffn_hidden_size,
+        normalization="RMSNorm",
+        layernorm_epsilon=model.rms_norm_eps,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=model.add_qkv_bias,
+        qk_layernorm=model.qk_layernorm,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        init_method_std=model.init_std,
+        # Weights come from initialize_weights_from_seed (or a checkpoint), never from Megatron's
+        # own initialisation, which depends on the layout.
+        perform_initialization=False,
+        use_cpu_initialization=not on_gpu,
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        fp16=False,
+        tensor_model_parallel_size=parallel.tp,
+        pipeline_model_parallel_size=parallel.pp,
+        virtual_pipeline_model_parallel_size=vpp,
+        context_parallel_size=parallel.cp,
+        expert_model_parallel_size=parallel.ep,
+        expert_tensor_parallel_size=parallel.etp,
+        sequence_parallel=parallel.tp > 1,
+        # Packed micro-batches differ in length, so pipeline stages exchange shapes first.
+        variable_seq_lengths=parallel.pp > 1,
+        # Megatron validates the dispatcher even without experts; allgather rejects
+        # variable_seq_lengths.
+        moe_token_dispatcher_type=parallel.moe_token_dispatcher if model.is_moe else "alltoall",
+        # At pp=2 with virtual stages the previous and next rank are one process; batched p2p
+        # then pairs same-shaped messages in the wrong order on gloo (megatron-cpu.md).
+        batch_p2p_comm=vpp is None,
+        overlap_p2p_comm=vpp is not None,
+        calculate_per_token_loss=False,
+        gradient_accumulation_fusion=False,
+        apply_rope_fusion=False,
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        masked_softmax_fusion=False,
+        persist_layer_norm=False,
+        **moe,
+        **recompute,
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Layer spec
+# ---------------------------------------------------------------------------------------------
+
+
+def _local_layer_spec(spec: ModuleSpec, cache: dict[int, ModuleSpec]) -> ModuleSpec:
+    """A copy of a local-spec layer with the CPU core attention and sequence-parallel norms."""
+    if id(spec) in cache:
+        return cache[id(spec)]
+    spec = copy.deepcopy(spec)
+    layer = spec.submodules
+    for name in ("input_layernorm", "pre_mlp_layernorm"):
+        if getattr(layer, name) is not IdentityOp:
+            setattr(layer, name, SequenceParallelTorchNorm)
+    attention = layer.self_attention.submodules
+    attention.core_attention = PackedCoreAttention
+    for name in ("q_layernorm", "k_layernorm"):
+        if getattr(attention, name) is not IdentityOp:
+            setattr(attention, name, SequenceParallelTorchNorm)
+    cache[id(spec)] = spec
+    return spec
+
+
+def decoder_block_spec(
+    config: TransformerConfig, vp_stage: Optional[int] = None
+) -> TransformerBlockSubmodules:
+    """Layer specs of this pipeline stage (TE with a GPU, local + CPU attention otherwise)."""
+    if use_transformer_engine():
+        return get_gpt_decoder_block_spec(
+            config, use_transformer_engine=True, normalization="RMSNorm", vp_stage=vp_stage
+        )
+    block = get_gpt_decoder_block_spec(
+        config, use_transformer_engine=False, normalization="RMSNorm", vp_stage=vp_stage
+    )
+    cache: dict[int, ModuleSpec] = {}
+    return TransformerBlockSubmodules(
+        layer_specs=[_local_layer_spec(spec, cache) for spec in block.layer_specs],
+        layer_norm=SequenceParallelTorchNorm,
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# The model
+# ---------------------------------------------------------------------------------------------
+
+if "hidden_states" not in gpt_postprocess_parameters():
+    raise ImportError(
+        "GPTModel._postprocess of this megatron-core has no 'hidden_states' parameter; "
+        "PolicyModel._postprocess must be adapted (megatron_gspo/engine/model.py)"
+    )
+
+
+class PolicyModel(GPTModel):
+    """GPTModel whose last stage returns the final hidden states ``[s, b, h]`` (after the final
+    norm; sequence-parallel scattered when tp > 1) instead of logits."""
+
+    def __init__(self, *args: Any, unpadded_vocab_size: int, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.unpadded_vocab_size = unpadded_vocab_size
+
+    def forward(self, *args: Any, padding_mask: Optional[torch.Tensor] = None, **kwargs: Any):
+        # GPTModel scatters the MoE padding mask for sequence parallel only on the first stage;
+        # later stages receive sequence-parallel hidden states too.
+        if padding_mask is not None and not self.pre_process and self.config.sequence_parallel:
+            padding_mask = (
+                tensor_parallel.scatter_to_sequence_parallel_region(
+                    padding_mask.transpose(0, 1).contiguous()
+                )
+                .transpose(0, 1)
+                .contiguous()
+            )
+        return super().forward(*args, padding_mask=padding_mask, **kwargs)
+
+    def _postprocess(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if self.config.mtp_num_layers:
+            raise NotImplementedError("multi-token prediction is not supported by PolicyModel")
+        return hidden_states
+
+    @property
+    def output_weight(self) -> torch.Tensor:
+        """``[V_padded / tp, h]`` this rank's output-layer rows (the word embedding if tied).
+        Only on the last pipeline stage."""
+        if not self.post_process:
+            raise RuntimeError("the output weight lives on the last pipeline stage")
+        if self.share_embeddings_and_output_weights:
+            return self.shared_embedding_or_output_weight()
+        return self.output_layer.weight
+
+
+def build_policy_model(
+    cfg: TrainConfig,
+    parallel_state: ParallelState,
+    *,
+    routing_replay: Optional[bool] = None,
+) -> list[PolicyModel]:
+    """One :class:`PolicyModel` chunk per virtual pipeline stage of this rank, on its device,
+    with uninitialised weights (call :func:`~megatron_gspo.engine.sharding.
+    initialize_weights_from_seed` or load a checkpoint).
+
+    ``routing_replay`` (default: ``cfg.algo.routing_replay != 'none'``) turns on Megatron's
+    ``moe_enable_routing_replay``; a reference model must be built with False.
+    """
+    if routing_replay is None:
+        routing_replay = cfg.model.is_moe and cfg.algo.routing_replay != "none"
+    config = transformer_config(cfg.model, cfg.parallel, moe_enable_routing_replay=routing_replay)
+    vocab = padded_vocab_size(cfg.model.vocab_size, parallel_state.tp)
+    max_length = max(
+        cfg.model.max_position_embeddings, cfg.algo.prompt_length + cfg.algo.response_length
+    )
+    chunks = []
+    for vp_stage in range(parallel_state.vpp):
+        stage = vp_stage if parallel_state.vpp > 1 else None
+        chunk = PolicyModel(
+            config=config,
+            transformer_layer_spec=decoder_block_spec(config, vp_stage=stage),
+            vocab_size=vocab,
+            max_sequence_length=max_length,
+            pre_process=mpu.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage),
+            post_process=mpu.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage),
+            share_embeddings_and_output_weights=cfg.model.tie_word_embeddings,
+            position_embedding_type="rope",
+            rotary_percent=1.0,
+            rotary_base=int(cfg.model.rope_theta),
+            vp_stage=stage,
+            unpadded_vocab_size=cfg.model.vocab_size,
+        )
+        chunk.to(parallel_state.device)
+        chunks.append(chunk)
+    annotate_tensor_parallel_attributes(chunks)
+    return chunks
+
+
+def wrap_with_ddp(
+    chunks: list[PolicyModel], *, use_distributed_optimizer: bool
+) -> list[DistributedDataParallel]:
+    """Megatron DDP around each chunk: fp32 gradient buffers reduced over data (x context)
+    parallel ranks at the end of the step (no overlap: the step must be reproducible)."""
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True,
+        overlap_grad_reduce=False,
+        use_distributed_optimizer=use_distributed_optimizer,
+        check_for_nan_in_grad=False,
+        average_in_collective=False,
+    )
+    return [
+        DistributedDataParallel(
+            config=chunk.config,
+            ddp_config=ddp_config,
+            module=chunk,
+            # Bucketing only pays off with overlapped reduction of the first chunk.
+            disable_bucketing=index > 0,
+        )
+        for index, chunk in enumerate(chunks)
+    ]
+
+
+def unwrap(chunk: torch.nn.Module) -> PolicyModel:
+    """The :class:`PolicyModel` inside DDP (or the chunk itself)."""
+    while not isinstance(chunk, PolicyModel):
+        if not hasattr(chunk, "module"):
+            raise TypeError(f"{type(chunk).__name__} does not wrap a PolicyModel")
+        chunk = chunk.module
+    return chunk

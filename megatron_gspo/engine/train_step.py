@@ -1,0 +1,512 @@
+"""The policy update: one optimizer step per mini-batch through Megatron's forward_backward_func.
+
+Loss normalisation (pitfalls 5 and 6 of ``reference/gspo-algorithms.md``). Each micro-batch's
+loss ``L_mb`` is :func:`megatron_gspo.algo.policy_loss` over this rank's tokens with the GLOBAL
+denominators of the mini-batch (sequences, tokens, per-sequence lengths), so
+``sum over micro-batches, dp and cp ranks of L_mb`` is exactly the loss of the whole mini-batch.
+Megatron then scales what the loss closure returns (2-tuple path: ``x cp / num_microbatches``)
+and DDP averages gradients over ``dp x cp``; returning ``L_mb x num_microbatches x dp`` cancels
+both, so the gradient is exactly ``grad sum L_mb`` whatever the layout and micro-batch count.
+Under context parallel the per-sequence sums of GSPO are all-reduced (differentiably) over the
+cp group inside ``policy_loss``.
+
+The MoE load-balancing loss keeps Megatron's semantics: computed per micro-batch over all its
+tokens (tensor- and context-parallel parts combined, padding excluded), weighted
+``coef / (num_microbatches x dp)``, i.e. ``coef x`` its mean over the step's micro-batches. It is
+therefore independent of tp, pp, ep, etp and cp, and depends only on how samples are grouped into
+micro-batches (``dp=2, k=1`` and ``dp=1, k=2`` form the same groups). When a mini-batch has fewer
+samples than ``dp x k`` micro-batches, the empty ones run a one-token filler sequence (no policy
+loss) that also counts in that mean.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable, Sequence
+from functools import partial
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+from megatron.core.distributed import finalize_model_grads
+from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+from megatron.core.packed_seq_params import PackedSeqParams
+from megatron.core.pipeline_parallel import get_forward_backward_func
+from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
+from megatron.core.transformer.moe.moe_utils import (
+    clear_aux_losses_tracker,
+    get_moe_layer_wise_logging_tracker,
+)
+
+from megatron_gspo.algo import policy_loss
+from megatron_gspo.config import TrainConfig
+from megatron_gspo.engine.batches import (
+    MicroBatch,
+    build_micro_batches,
+    global_denominators,
+    plan_mini_batch,
+    validate_samples,
+)
+from megatron_gspo.engine.compat import cuda_available
+from megatron_gspo.engine.logprobs import vocab_parallel_log_probs
+from megatron_gspo.engine.model import (
+    PolicyModel,
+    build_policy_model,
+    unwrap,
+    wrap_with_ddp,
+)
+from megatron_gspo.engine.packing import padding_multiple
+from megatron_gspo.engine.parallel import ParallelState, initialize_parallel
+from megatron_gspo.engine.sharding import initialize_weights_from_seed
+from megatron_gspo.samples import TrainSample
+
+logger = logging.getLogger(__name__)
+
+
+class NonFiniteStepsError(RuntimeError):
+    """Too many consecutive optimizer steps had a non-finite loss or gradient norm."""
+
+
+def build_optimizer(cfg: TrainConfig, model: Sequence[torch.nn.Module]):
+    """Megatron AdamW (distributed optimizer when ``parallel.use_distributed_optimizer``) with
+    global grad-norm clipping ``optim.clip_grad``.
+
+    Note (megatron-core 0.16.1): resuming the distributed optimizer's state from a checkpoint
+    does not restore Adam exactly (``reference/megatron-cpu.md``); training with it is exact.
+    """
+    optim = cfg.optim
+    bf16 = cfg.model.dtype == "bfloat16"
+    config = OptimizerConfig(
+        optimizer="adam",
+        lr=optim.lr,
+        min_lr=optim.min_lr,
+        weight_decay=optim.weight_decay,
+        adam_beta1=optim.adam_beta1,
+        adam_beta2=optim.adam_beta2,
+        adam_eps=optim.adam_eps,
+        clip_grad=optim.clip_grad,
+        bf16=bf16,
+        fp16=False,
+        params_dtype=torch.bfloat16 if bf16 else torch.float32,
+        use_distributed_optimizer=cfg.parallel.use_distributed_optimizer,
+    )
+    # Gloo sub-groups are not created on CPU (every group already is gloo there).
+    return get_megatron_optimizer(config, list(model), use_gloo_process_groups=cuda_available())
+
+
+def optimizer_steps_per_run(cfg: TrainConfig) -> int:
+    return cfg.steps * cfg.algo.ppo_epochs * cfg.algo.num_mini_batches
+
+
+def build_scheduler(cfg: TrainConfig, optimizer: Any) -> OptimizerParamScheduler:
+    """Linear warm-up over ``optim.lr_warmup_steps`` then ``lr_decay_style`` to ``min_lr`` at the
+    last optimizer step of the run. Optimizer step ``k`` (0-based) of the warm-up uses
+    ``lr (k + 1) / warmup`` (Megatron's would use 0 at the first step)."""
+    optim = cfg.optim
+    total = max(optimizer_steps_per_run(cfg), optim.lr_warmup_steps + 1)
+    scheduler = OptimizerParamScheduler(
+        optimizer,
+        init_lr=0.0,
+        max_lr=optim.lr,
+        min_lr=optim.min_lr,
+        lr_warmup_steps=optim.lr_warmup_steps,
+        lr_decay_steps=total,
+        lr_decay_style=optim.lr_decay_style,
+        start_wd=optim.weight_decay,
+        end_wd=optim.weight_decay,
+        wd_incr_steps=total,
+        wd_incr_style="constant",
+    )
+    scheduler.step(1)
+    return scheduler
+
+
+def packed_seq_params(
+    micro_batch: MicroBatch, cp_group: dist.ProcessGroup, device: torch.device
+) -> PackedSeqParams:
+    """Megatron's THD description of a packed micro-batch (``cu_seqlens`` of the FULL row: TE
+    and Megatron's RoPE divide them by cp themselves)."""
+    packed = micro_batch.packed
+    cu_seqlens = packed.cu_seqlens.to(device)
+    cu_seqlens_padded = packed.cu_seqlens_padded.to(device)
+    return PackedSeqParams(
+        qkv_format="thd",
+        cu_seqlens_q=cu_seqlens,
+        cu_seqlens_kv=cu_seqlens,
+        cu_seqlens_q_padded=cu_seqlens_padded,
+        cu_seqlens_kv_padded=cu_seqlens_padded,
+        max_seqlen_q=packed.max_length,
+        max_seqlen_kv=packed.max_length,
+        cp_group=cp_group,
+    )
+
+
+class TrainEngine:
+    """Policy (and optional frozen reference) model, optimizer and scheduler of one run.
+
+    Every rank calls every method with the same arguments (the full mini-batch).
+    """
+
+    def __init__(
+        self,
+        cfg: TrainConfig,
+        *,
+        parallel: Optional[ParallelState] = None,
+        load_weights: Optional[Callable[[list[PolicyModel]], Any]] = None,
+    ):
+        """Build everything for ``cfg`` (initialising the process groups unless ``parallel``
+        is given). Weights: seed-determined (:func:`~megatron_gspo.engine.sharding.
+        initialize_weights_from_seed` with ``cfg.seed``), then ``load_weights(chunks)`` if
+        given (e.g. Hugging Face weights), which runs before DDP, the optimizer (its fp32 main
+        copies) and the reference model copy are made. To change weights later, go through
+        the checkpoint loader, then :meth:`copy_policy_to_reference` if needed."""
+        self.cfg = cfg
+        self.parallel = parallel or initialize_parallel(cfg.parallel, cfg.seed)
+        chunks = build_policy_model(cfg, self.parallel)
+        initialize_weights_from_seed(chunks, cfg.seed, cfg.model.init_std)
+        if load_weights is not None:
+            load_weights(chunks)
+        self.model = wrap_with_ddp(
+            chunks, use_distributed_optimizer=cfg.parallel.use_distributed_optimizer
+        )
+        self.config = chunks[0].config
+        self.config.finalize_model_grads_func = finalize_model_grads
+        self.config.no_sync_func = [chunk.no_sync for chunk in self.model]
+        if len(self.model) == 1:
+            self.config.no_sync_func = self.config.no_sync_func[0]
+        self.optimizer = build_optimizer(cfg, self.model)
+        self.scheduler = build_scheduler(cfg, self.optimizer)
+        self.reference_model: Optional[list[PolicyModel]] = None
+        if cfg.algo.needs_reference_model:
+            self.reference_model = build_policy_model(cfg, self.parallel, routing_replay=False)
+            self.copy_policy_to_reference()
+        self.multiple = padding_multiple(
+            self.parallel.tp, self.parallel.cp, sequence_parallel=self.parallel.tp > 1
+        )
+        self.consecutive_skips = 0
+        self.skipped_steps = 0
+        self.step_count = 0
+
+    # -----------------------------------------------------------------------------------------
+
+    @property
+    def policy_chunks(self) -> list[PolicyModel]:
+        return [unwrap(chunk) for chunk in self.model]
+
+    @torch.no_grad()
+    def copy_policy_to_reference(self) -> None:
+        """Reference := current policy weights (call after loading initial weights)."""
+        if self.reference_model is None:
+            raise RuntimeError(
+                "no reference model: algo.use_kl_loss and add_token_level_kl are off"
+            )
+        for policy, reference in zip(self.policy_chunks, self.reference_model):
+            for (name, source), (other, target) in zip(
+                policy.named_parameters(), reference.named_parameters()
+            ):
+                assert name == other, (name, other)
+                target.copy_(source)
+            reference.requires_grad_(False)
+
+    def _plan(self, samples: Sequence[TrainSample]) -> list[list[int]]:
+        plan = plan_mini_batch(
+            samples,
+            dp_size=self.parallel.dp,
+            micro_batch_tokens=self.cfg.parallel.micro_batch_tokens,
+            multiple=self.multiple,
+            micro_batches_multiple=self.parallel.pp if self.parallel.vpp > 1 else 1,
+        )
+        return plan[self.parallel.dp_rank]
+
+    def _run_schedule(
+        self, model: list, micro_batches: list[MicroBatch], loss_func, *, forward_only: bool
+    ) -> list[dict]:
+        cp_group, device = self.parallel.cp_group, self.parallel.device
+
+        def forward_step(data_iterator, chunk):
+            micro_batch = next(data_iterator)
+            packed = micro_batch.packed
+            output = chunk(
+                packed.input_ids.to(device),
+                packed.position_ids.to(device),
+                None,
+                packed_seq_params=packed_seq_params(micro_batch, cp_group, device),
+                padding_mask=packed.padding_mask.to(device),
+            )
+            return output, partial(loss_func, micro_batch)
+
+        iterators = [iter(micro_batches) for _ in model]
+        return get_forward_backward_func()(
+            forward_step_func=forward_step,
+            data_iterator=iterators if len(model) > 1 else iterators[0],
+            model=model if len(model) > 1 else model[0],
+            num_microbatches=len(micro_batches),
+            seq_length=max(mb.packed.num_tokens for mb in micro_batches),
+            micro_batch_size=1,
+            forward_only=forward_only,
+        )
+
+    def _log_probs(
+        self, chunk: PolicyModel, micro_batch: MicroBatch, hidden: torch.Tensor, with_entropy: bool
+    ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """``[N]`` response log-probs (and entropy) of this rank's tokens from ``[s, 1, h]``."""
+        if self.parallel.tp > 1:
+            # All-gather the sequence-parallel slices; the backward reduce-scatters (sums) the
+            # per-vocab-shard partial gradients the log-prob kernel leaves (see its docstring).
+            hidden = gather_from_sequence_parallel_region(
+                hidden, tensor_parallel_output_grad=True, group=self.parallel.tp_group
+            )
+        hidden = hidden.squeeze(1)
+        rows = micro_batch.response_rows.to(hidden.device)
+        if rows.numel() == 0:
+            empty = hidden.new_zeros(0, dtype=torch.float32)
+            return empty, (empty if with_entropy else None)
+        return vocab_parallel_log_probs(
+            hidden.index_select(0, rows),
+            chunk.output_weight,
+            micro_batch.labels.to(hidden.device),
+            tp_group=self.parallel.tp_group,
+            temperature=self.cfg.rollout.temperature,
+            with_entropy=with_entropy,
+            vocab_size=chunk.unpadded_vocab_size,
+        )
+
+    # -----------------------------------------------------------------------------------------
+
+    def forward_log_probs(
+        self, samples: Sequence[TrainSample], *, reference: bool = False
+    ) -> list[torch.Tensor]:
+        """Per-sample ``[R]`` float32 response log-probs at ``rollout.temperature`` (no grad),
+        returned on every rank. Uses the same micro-batches as :meth:`train_step`, so the
+        old log-probs it recomputes match the training forward bit for bit."""
+        validate_samples(samples, need_old=False, need_advantages=False, need_ref=False)
+        if reference and self.reference_model is None:
+            raise RuntimeError(
+                "no reference model: algo.use_kl_loss and add_token_level_kl are off"
+            )
+        model = self.reference_model if reference else self.model
+        denominators = global_denominators(samples)
+        micro_batches = build_micro_batches(
+            samples,
+            self._plan(samples),
+            lengths=denominators.lengths,
+            multiple=self.multiple,
+            cp_size=self.parallel.cp,
+            cp_rank=self.parallel.cp_rank,
+            with_loss_inputs=False,
+        )
+        offsets = [0]
+        for sample in samples:
+            offsets.append(offsets[-1] + sample.response_length)
+        flat = torch.zeros(offsets[-1], dtype=torch.float32)
+        chunks = [unwrap(chunk) for chunk in model]
+
+        def loss_func(micro_batch: MicroBatch, hidden: torch.Tensor):
+            log_probs, _ = self._log_probs(chunks[-1], micro_batch, hidden, with_entropy=False)
+            # One contributor per position: tp rank 0 of the last stage (dp and cp ranks hold
+            # disjoint positions), so the world all-reduce below is an exact gather.
+            if self.parallel.tp_rank == 0 and micro_batch.sample_indices:
+                starts = torch.tensor([offsets[i] for i in micro_batch.sample_indices])
+                where = starts[micro_batch.response_sample] + micro_batch.response_index
+                flat[where] = log_probs.detach().float().cpu()
+            return hidden.sum() * 0.0, {}
+
+        with torch.no_grad():
+            self._run_schedule(model, micro_batches, loss_func, forward_only=True)
+        flat = flat.to(self.parallel.device)
+        dist.all_reduce(flat, group=self.parallel.world_group)
+        flat = flat.cpu()
+        return [flat[offsets[i] : offsets[i + 1]].clone() for i in range(len(samples))]
+
+    # -----------------------------------------------------------------------------------------
+
+    def train_step(self, samples: Sequence[TrainSample]) -> dict[str, float]:
+        """ONE optimizer step on this mini-batch (the same full list on every rank):
+        :meth:`forward_backward` then :meth:`optimizer_step`.
+
+        Returns the metrics of ``policy_loss`` summed over the mini-batch (``*_max``: maximum),
+        plus ``loss``, ``grad_norm``, ``lr`` (the one this step applied), ``skipped`` (1.0 if the
+        step was skipped because the loss or the gradient norm was not finite),
+        ``skipped_total``, ``num_micro_batches`` (per rank), ``tokens`` and ``padding_tokens``
+        (packed, all ranks) and, with the load-balancing loss on, ``moe_load_balancing_loss``.
+        """
+        return self.optimizer_step(self.forward_backward(samples))
+
+    def forward_backward(self, samples: Sequence[TrainSample]) -> dict[str, float]:
+        """Gradients of the mini-batch loss in the DDP buffers (``param.main_grad``), reduced
+        over data parallel; no optimizer step. Returns the loss metrics (see :meth:`train_step`)."""
+        algo = self.cfg.algo
+        detach_old = algo.old_log_prob_source == "detach"
+        validate_samples(
+            samples,
+            need_old=not detach_old,
+            need_advantages=True,
+            need_ref=algo.use_kl_loss,
+        )
+        denominators = global_denominators(samples)
+        micro_batches = build_micro_batches(
+            samples,
+            self._plan(samples),
+            lengths=denominators.lengths,
+            multiple=self.multiple,
+            cp_size=self.parallel.cp,
+            cp_rank=self.parallel.cp_rank,
+            with_ref=algo.use_kl_loss,
+        )
+        num_micro_batches = len(micro_batches)
+        # Cancels Megatron's x cp / num_microbatches and DDP's / (dp x cp): see module docstring.
+        loss_scale = float(num_micro_batches * self.parallel.dp)
+        last_chunk = self.policy_chunks[-1]
+        with_entropy = algo.entropy_coef > 0
+        device = self.parallel.device
+
+        def loss_func(micro_batch: MicroBatch, hidden: torch.Tensor):
+            log_probs, entropy = self._log_probs(last_chunk, micro_batch, hidden, with_entropy=True)
+            log_probs = micro_batch.unpack(log_probs)
+            entropy = micro_batch.unpack(entropy if with_entropy else entropy.detach())
+            old = micro_batch.old_log_probs.to(device)
+            if detach_old:
+                old = log_probs.detach()
+            loss, metrics = policy_loss(
+                log_probs,
+                old,
+                micro_batch.advantages.to(device),
+                micro_batch.local_mask.to(device),
+                importance_sampling=algo.importance_sampling,
+                clip_low=algo.clip_low,
+                clip_high=algo.clip_high,
+                loss_agg_mode=algo.loss_agg_mode,
+                dual_clip_constant=algo.dual_clip_constant if algo.dual_clip_loss else None,
+                ref_log_probs=(micro_batch.ref_log_probs.to(device) if algo.use_kl_loss else None),
+                kl_coef=algo.kl_loss_coef if algo.use_kl_loss else 0.0,
+                kl_estimator=algo.kl_estimator,
+                entropy=entropy,
+                entropy_coef=algo.entropy_coef,
+                num_sequences=denominators.num_sequences,
+                num_tokens=denominators.num_tokens,
+                sequence_lengths=micro_batch.lengths.to(device),
+                norm_length=algo.response_length,
+                log_ratio_clamp=algo.log_ratio_clamp,
+                sequence_group=self.parallel.cp_group if self.parallel.cp > 1 else None,
+            )
+            metrics = {name: value.detach().float() for name, value in metrics.items()}
+            metrics["loss"] = loss.detach().float()
+            # "+ 0 * sum": every rank joins the backward (and the pipeline's gradient send)
+            # even when it holds no loss token of this micro-batch.
+            return loss * loss_scale + hidden.sum() * 0.0, metrics
+
+        for chunk in self.model:
+            chunk.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        outputs = self._run_schedule(self.model, micro_batches, loss_func, forward_only=False)
+        metrics = self._reduce_metrics(outputs)
+        if self.cfg.model.is_moe and self.cfg.model.moe_aux_loss_coef > 0:
+            metrics["moe_load_balancing_loss"] = self._load_balancing_loss(num_micro_batches)
+        padding = sum(mb.packed.padding_tokens for mb in micro_batches if mb.sample_indices)
+        tokens = sum(mb.packed.num_tokens for mb in micro_batches)
+        counts = torch.tensor([padding, tokens], dtype=torch.float64, device=device)
+        # Each dp rank packs its own micro-batches; tp/cp/pp replicas pack the same ones.
+        dist.all_reduce(counts, group=self.parallel.dp_group)
+        metrics.update(
+            num_micro_batches=float(num_micro_batches),
+            padding_tokens=float(counts[0]),
+            tokens=float(counts[1]),
+        )
+        return metrics
+
+    def optimizer_step(self, metrics: dict[str, float]) -> dict[str, float]:
+        """Clip and apply the gradients of :meth:`forward_backward` (whose metrics it takes and
+        extends), unless the loss or the gradient norm is not finite: then the step is skipped
+        (weights, optimizer state and lr schedule untouched) and counted;
+        ``optim.max_consecutive_skips`` skips in a row raise :class:`NonFiniteStepsError`."""
+        # The learning rate this step applies (the scheduler moves on after the step).
+        lr = float(self.optimizer.param_groups[0]["lr"])
+        self.optimizer.prepare_grads()
+        grad_norm = float(self.optimizer.get_grad_norm())
+        finite = math.isfinite(metrics["loss"]) and math.isfinite(grad_norm)
+        if finite:
+            _, grad_norm, _ = self.optimizer.step()
+            grad_norm = float(grad_norm)
+            self.scheduler.step(1)
+            self.consecutive_skips = 0
+        else:
+            self.optimizer.zero_grad()
+            self.consecutive_skips += 1
+            self.skipped_steps += 1
+            logger.warning(
+                "optimizer step %d skipped: loss=%s grad_norm=%s (%d in a row, %d in total)",
+                self.step_count,
+                metrics["loss"],
+                grad_norm,
+                self.consecutive_skips,
+                self.skipped_steps,
+            )
+        self.step_count += 1
+        metrics = dict(metrics)
+        metrics.update(
+            grad_norm=grad_norm,
+            lr=lr,
+            skipped=0.0 if finite else 1.0,
+            skipped_total=float(self.skipped_steps),
+        )
+        if self.consecutive_skips >= self.cfg.optim.max_consecutive_skips:
+            raise NonFiniteStepsError(
+                f"{self.consecutive_skips} consecutive optimizer steps had a non-finite loss or "
+                f"gradient norm (last: loss={metrics['loss']}, grad_norm={grad_norm}); the "
+                "weights are those of the last good step. Lower optim.lr, check the rewards and "
+                "advantages for inf/NaN, or raise optim.max_consecutive_skips"
+            )
+        return metrics
+
+    def _load_balancing_loss(self, num_micro_batches: int) -> float:
+        """Megatron's load-balancing loss (before ``moe_aux_loss_coef``) averaged over MoE
+        layers and the step's micro-batches; resets Megatron's tracker.
+
+        Each rank's tracker holds, per layer, its part of every micro-batch's loss (tp and cp
+        ranks hold partial sums over their tokens; pp ranks their layers; dp ranks their
+        micro-batches), so one SUM over the world gives the total.
+        """
+        tracker = get_moe_layer_wise_logging_tracker()
+        entry = tracker.get("load_balancing_loss")
+        values = torch.zeros(
+            self.config.num_layers, dtype=torch.float64, device=self.parallel.device
+        )
+        if entry is not None:
+            values += entry["values"][: self.config.num_layers].to(values)
+        dist.all_reduce(values, group=self.parallel.world_group)
+        clear_aux_losses_tracker()
+        moe_layers = len(self.cfg.model.moe_layer_indices)
+        return float(values.sum()) / (moe_layers * num_micro_batches * self.parallel.dp)
+
+    def _reduce_metrics(self, outputs: list[dict]) -> dict[str, float]:
+        """Sum (``*_max``: max) over micro-batches and dp x cp ranks; broadcast over pp."""
+        parallel = self.parallel
+        result: Optional[dict[str, float]] = None
+        if parallel.is_last_stage:
+            names = sorted(outputs[0])
+            sums = [n for n in names if not n.endswith("_max")]
+            maxima = [n for n in names if n.endswith("_max")]
+            device = parallel.device
+            sum_vector = torch.stack(
+                [torch.stack([out[n] for out in outputs]).sum() for n in sums]
+            ).to(device, torch.float64)
+            max_vector = (
+                torch.stack([torch.stack([out[n] for out in outputs]).max() for n in maxima]).to(
+                    device, torch.float64
+                )
+                if maxima
+                else torch.zeros(0, dtype=torch.float64, device=device)
+            )
+            dist.all_reduce(sum_vector, group=parallel.dp_cp_group)
+            if maxima:
+                dist.all_reduce(max_vector, op=dist.ReduceOp.MAX, group=parallel.dp_cp_group)
+            result = dict(zip(sums, sum_vector.tolist()))
+            result.update(zip(maxima, max_vector.tolist()))
+        if parallel.pp > 1:
+            holder = [result]
+            source = dist.get_global_rank(parallel.pp_group, parallel.pp - 1)
+            dist.broadcast_object_list(holder, src=source, group=parallel.pp_group)
+            result = holder[0]
+        return result

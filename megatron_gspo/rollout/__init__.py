@@ -1,0 +1,30 @@
+"""Rollout engines: the request/result contract, the embedded transformers engine, its loopback
+server, and the SGLang client, launcher and weight transports.
+
+Only the contract is imported here; engines load on demand (``rollout.embedded`` pulls
+transformers, ``rollout.sglang_client`` requests).
+"""
+
+from megatron_gspo.rollout.types import (
+    GenerateRequest,
+    GenerateResult,
+    RolloutEngine,
+    RolloutEngineError,
+    SyncStats,
+    derive_seed,
+    expand_samples,
+    routed_experts_dtype,
+    sync_weights_paused,
+)
+
+__all__ = [
+    "GenerateRequest",
+    "GenerateResult",
+    "RolloutEngine",
+    "RolloutEngineError",
+    "SyncStats",
+    "derive_seed",
+    "expand_samples",
+    "routed_experts_dtype",
+    "sync_weights_paused",
+]

@@ -1,0 +1,453 @@
+"""The embedded rollout engine: the current policy as a transformers model in this process.
+
+The default engine and the CPU path. It follows SGLang's semantics so that swapping it for
+SGLang changes speed, not numbers:
+
+* log-probs at the sampling temperature, before top-k/top-p truncation (see ``sampling.py``);
+  greedy decoding for ``temperature == 0`` (log-probs then at temperature 1);
+* routed experts ``[L - 1, M, K]`` of its own routers, logical ids, dense layers skipped;
+* a weight version that only ``sync_weights`` changes.
+
+One difference: it stops on ``stop_token_ids`` only, whereas SGLang also stops on the model's
+EOS token unless ``ignore_eos``; put the EOS id in ``stop_token_ids`` (the trainer does) to get
+the same samples from both.
+
+Generation is batched with a KV cache: prompts are left-padded, positions come from the
+attention mask, and rows that finish are dropped from the cache. Each request samples from its
+own ``torch.Generator`` (its ``seed``), so its tokens depend on its seed and its logits only: the
+batch it shares changes logits by float rounding (padding changes reduction lengths), which can
+flip a sample only at a near-tie.
+
+Thread safety: ``generate`` may run concurrently from several threads (the loopback server does);
+each forward and each weight commit hold the model lock, so a sync lands between decode steps.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import threading
+import time
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import numpy as np
+import torch
+
+from megatron_gspo.config import ModelConfig, RolloutConfig
+from megatron_gspo.rollout.hf_model import RouteRecorder, build_hf_model, moe_layer_indices
+from megatron_gspo.rollout.hf_weights import HFWeightLayout, iter_safetensors_directory
+from megatron_gspo.rollout.sampling import sample_tokens, temperature_log_probs
+from megatron_gspo.rollout.types import (
+    PAUSE_MODES,
+    GenerateRequest,
+    GenerateResult,
+    RolloutEngine,
+    RolloutEngineError,
+    SyncStats,
+    expand_samples,
+    routed_experts_dtype,
+)
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Sample:
+    """One in-flight sample and what it has produced so far."""
+
+    request: GenerateRequest
+    seed: int
+    output_ids: list[int] = field(default_factory=list)
+    log_probs: list[float] = field(default_factory=list)
+    routes: list[torch.Tensor] = field(default_factory=list)
+    """Chunks of ``[rows, M, K]`` expert ids, in token order."""
+    weight_version: int = 0
+    finish_reason: Optional[str] = None
+    matched_stop_token: Optional[int] = None
+    abort_message: Optional[str] = None
+
+    @property
+    def prompt_length(self) -> int:
+        return len(self.request.input_ids)
+
+
+class EmbeddedEngine(RolloutEngine):
+    """Generates with a transformers copy of the policy (see the module docstring).
+
+    Args:
+        model_config: architecture of the policy.
+        seed: initialises the random weights and the seeds of requests that carry none.
+        max_batch_size: most samples decoded together (longer lists run in several batches,
+            grouped by prompt length to limit padding).
+        dtype: parameter and compute dtype (fp32 on CPU).
+        pause_wait_timeout_s: how long ``generate`` waits for ``resume`` after ``pause``.
+        hf_model: use this transformers model instead of building one (shares its weights).
+    """
+
+    def __init__(
+        self,
+        model_config: ModelConfig,
+        *,
+        seed: int = 0,
+        max_batch_size: int = 64,
+        dtype: torch.dtype = torch.float32,
+        pause_wait_timeout_s: float = 600.0,
+        hf_model: Any = None,
+    ):
+        if max_batch_size < 1:
+            raise ValueError(f"max_batch_size={max_batch_size} must be >= 1")
+        self.model_config = model_config
+        self.hf_model = (
+            hf_model
+            if hf_model is not None
+            else build_hf_model(model_config, dtype=dtype, seed=seed)
+        )
+        self.hf_model.eval()
+        self.max_batch_size = max_batch_size
+        self.pause_wait_timeout_s = pause_wait_timeout_s
+        self.moe_layer_indices = moe_layer_indices(self.hf_model)
+        self.num_hidden_layers = self.hf_model.config.num_hidden_layers
+        self.vocab_size = self.hf_model.config.vocab_size
+        self.max_positions = self.hf_model.config.max_position_embeddings
+        self.route_dtype = routed_experts_dtype(max(model_config.num_experts, 1))
+        self._layout = HFWeightLayout(self.hf_model)
+        # The router hooks stay registered for the engine's life; forwards (and so recordings)
+        # are serialised by the model lock, which keeps concurrent generate calls apart.
+        self._recorder = RouteRecorder(self.hf_model, enabled=False).__enter__()
+        self._seed_rng = random.Random(seed)
+        self._weight_version = 0
+        self._model_lock = threading.Lock()
+        self._state = threading.Condition()
+        self._paused: Optional[str] = None
+        self._abort_epoch = 0
+        self._aborted_ids: set[str] = set()
+        self._running_calls = 0
+        self._in_flight_ids: set[str] = set()
+        self._closed = False
+
+    @classmethod
+    def from_config(
+        cls, model: ModelConfig, rollout: Optional[RolloutConfig] = None, *, seed: int = 0
+    ) -> EmbeddedEngine:
+        """The engine for ``model``; ``rollout`` carries no field the embedded engine uses
+        (sampling settings travel in each request)."""
+        del rollout
+        return cls(model, seed=seed)
+
+    # ------------------------------------------------------------------ properties and info
+
+    @property
+    def weight_version(self) -> int:
+        return self._weight_version
+
+    def info(self) -> dict[str, Any]:
+        return {
+            "engine": "embedded",
+            "architecture": self.model_config.architecture,
+            "hf_architecture": type(self.hf_model).__name__,
+            "weight_version": self._weight_version,
+            "num_hidden_layers": self.num_hidden_layers,
+            "moe_layer_indices": list(self.moe_layer_indices),
+            "num_experts": self.model_config.num_experts if self.moe_layer_indices else 0,
+            "moe_router_topk": self.model_config.moe_router_topk if self.moe_layer_indices else 0,
+            "vocab_size": self.vocab_size,
+            "max_position_embeddings": self.max_positions,
+        }
+
+    @property
+    def num_running(self) -> int:
+        """``generate`` calls in progress."""
+        with self._state:
+            return self._running_calls
+
+    # ------------------------------------------------------------------ control
+
+    def abort(self, request_ids: Optional[Iterable[str]] = None) -> None:
+        with self._state:
+            if request_ids is None:
+                self._abort_epoch += 1
+            else:
+                self._aborted_ids.update(request_ids)
+            self._state.notify_all()
+
+    def pause(self, mode: str = "abort") -> None:
+        """``abort``: end in-flight requests and return once none is running; ``in_place``:
+        freeze them between decode steps. New ``generate`` calls wait for :meth:`resume`."""
+        if mode not in PAUSE_MODES:
+            raise ValueError(f"pause mode {mode!r} is not one of {PAUSE_MODES}")
+        with self._state:
+            self._paused = mode
+            if mode == "abort":
+                self._abort_epoch += 1
+                self._state.notify_all()
+                if not self._state.wait_for(
+                    lambda: self._running_calls == 0, timeout=self.pause_wait_timeout_s
+                ):
+                    raise RolloutEngineError(
+                        f"embedded engine: {self._running_calls} generate calls still running "
+                        f"{self.pause_wait_timeout_s:.0f}s after pause(abort)"
+                    )
+
+    def resume(self) -> None:
+        with self._state:
+            self._paused = None
+            self._state.notify_all()
+
+    def flush_cache(self) -> None:
+        """There is no prefix cache to flush; like SGLang, refuse while requests are running
+        (their caches would hold KV of the old weights)."""
+        with self._state:
+            if self._running_calls and self._paused != "in_place":
+                raise RolloutEngineError(
+                    f"embedded engine: cannot flush the cache while {self._running_calls} "
+                    "generate calls are running; pause() first"
+                )
+
+    def health(self) -> bool:
+        if self._closed:
+            return False
+        with self._model_lock, torch.no_grad():
+            logits = self.hf_model(input_ids=torch.zeros(1, 1, dtype=torch.long)).logits
+        return bool(torch.isfinite(logits).all())
+
+    def close(self) -> None:
+        self._closed = True
+        self.abort()
+        self.resume()
+
+    # ------------------------------------------------------------------ weights
+
+    def sync_weights(self, named_tensors: Iterator[tuple[str, Any]], version: int) -> SyncStats:
+        """Load a full set of on-disk-named HF tensors by value (see ``hf_weights.py``).
+
+        The stream is staged and checked before any parameter changes, so a failed sync leaves
+        the weights and the version as they were. ``version`` must not go backwards.
+        """
+        if version < self._weight_version:
+            raise ValueError(
+                f"weight sync: version {version} is older than the current {self._weight_version}"
+            )
+        start = time.perf_counter()
+        # Staging runs outside the model lock (the stream may read disk or a network), so
+        # generation only stops for the final copy.
+        staged, num_tensors, num_bytes = self._layout.stage(
+            (name, torch.as_tensor(tensor)) for name, tensor in named_tensors
+        )
+        with self._model_lock:
+            self._layout.commit(staged)
+            self._weight_version = int(version)
+        return SyncStats(
+            weight_version=int(version),
+            num_tensors=num_tensors,
+            num_bytes=num_bytes,
+            seconds=time.perf_counter() - start,
+        )
+
+    def load_weights_from_directory(self, path: str, version: int) -> SyncStats:
+        """``sync_weights`` from the ``*.safetensors`` files of an HF checkpoint directory."""
+        return self.sync_weights(iter_safetensors_directory(path), version)
+
+    def hf_state(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """The current weights under their on-disk HF names (views; copy before mutating)."""
+        return self._layout.disk_state()
+
+    # ------------------------------------------------------------------ generation
+
+    def generate(self, requests: Sequence[GenerateRequest], n: int = 1) -> list[GenerateResult]:
+        samples = [self._new_sample(request) for request in expand_samples(requests, n)]
+        if not samples:
+            return []
+        self._enter_generate([sample.request.request_id for sample in samples])
+        try:
+            # Similar lengths together: less padding, and results do not depend on the order.
+            order = sorted(range(len(samples)), key=lambda i: samples[i].prompt_length)
+            for begin in range(0, len(order), self.max_batch_size):
+                self._generate_batch(
+                    [samples[i] for i in order[begin : begin + self.max_batch_size]]
+                )
+        finally:
+            self._leave_generate([sample.request.request_id for sample in samples])
+        return [self._result(sample) for sample in samples]
+
+    def _new_sample(self, request: GenerateRequest) -> _Sample:
+        prompt_length = len(request.input_ids)
+        if max(request.input_ids) >= self.vocab_size:
+            raise ValueError(
+                f"request {request.request_id!r}: token id {max(request.input_ids)} is outside "
+                f"the vocabulary (size {self.vocab_size})"
+            )
+        if prompt_length >= self.max_positions:
+            raise ValueError(
+                f"request {request.request_id!r}: prompt of {prompt_length} tokens leaves no room "
+                f"to generate within max_position_embeddings={self.max_positions}"
+            )
+        if request.return_routed_experts and not self.moe_layer_indices:
+            raise ValueError(
+                f"request {request.request_id!r}: routed experts asked of the dense "
+                f"{self.model_config.architecture} model"
+            )
+        seed = request.seed if request.seed is not None else self._seed_rng.getrandbits(63)
+        return _Sample(request=request, seed=seed)
+
+    def _enter_generate(self, request_ids: list[str]) -> None:
+        with self._state:
+            if self._closed:
+                raise RolloutEngineError("embedded engine: generate() after close()")
+            if not self._state.wait_for(
+                lambda: self._paused is None, timeout=self.pause_wait_timeout_s
+            ):
+                raise RolloutEngineError(
+                    f"embedded engine: paused for more than {self.pause_wait_timeout_s:.0f}s; "
+                    "call resume() after the weight sync"
+                )
+            self._running_calls += 1
+            self._in_flight_ids.update(request_ids)
+
+    def _leave_generate(self, request_ids: list[str]) -> None:
+        with self._state:
+            self._running_calls -= 1
+            self._in_flight_ids.difference_update(request_ids)
+            self._aborted_ids.difference_update(request_ids)
+            self._state.notify_all()
+
+    def _abort_reason(self, sample: _Sample, epoch: int) -> Optional[str]:
+        """Why ``sample`` must stop now, or None; waits here while paused in place."""
+        with self._state:
+            while self._paused == "in_place" and self._abort_epoch == epoch:
+                self._state.wait()
+            if self._abort_epoch != epoch:
+                return "Aborted by pause_generation or abort_all" if self._paused else "Aborted"
+            request_id = sample.request.request_id
+            parent_id = request_id.rsplit("/", 1)[0]
+            if request_id in self._aborted_ids or parent_id in self._aborted_ids:
+                return "Aborted by abort_request"
+        return None
+
+    def _forward(
+        self, input_ids, attention_mask, position_ids, cache, want_routes: bool
+    ) -> tuple[torch.Tensor, int, Optional[torch.Tensor]]:
+        """``(logits, version, routes)``: last-position fp32 logits ``[B, V]``, the weight
+        version that produced them and, if asked, the routes ``[B, S, M, K]`` of every position.
+        """
+        batch_size, seq_len = input_ids.shape
+        with self._model_lock, torch.no_grad():
+            self._recorder.enabled = want_routes
+            try:
+                output = self.hf_model(
+                    input_ids=input_ids,
+                    attention_mask=attention_mask,
+                    position_ids=position_ids,
+                    past_key_values=cache,
+                    use_cache=True,
+                    logits_to_keep=1,
+                )
+                routes = None
+                if want_routes:
+                    routes = torch.stack(self._recorder.pop(batch_size, seq_len), dim=2)
+            finally:
+                self._recorder.enabled = False
+            return output.logits[:, -1, :].float(), self._weight_version, routes
+
+    def _generate_batch(self, batch: list[_Sample]) -> None:
+        from transformers import DynamicCache
+
+        with self._state:
+            epoch = self._abort_epoch
+        padded_length = max(sample.prompt_length for sample in batch)
+        input_ids = torch.zeros(len(batch), padded_length, dtype=torch.long)
+        attention_mask = torch.zeros(len(batch), padded_length, dtype=torch.long)
+        for row, sample in enumerate(batch):
+            start = padded_length - sample.prompt_length
+            input_ids[row, start:] = torch.tensor(sample.request.input_ids)
+            attention_mask[row, start:] = 1
+        position_ids = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)
+        temperatures = torch.tensor([s.request.temperature for s in batch], dtype=torch.float32)
+        top_p = torch.tensor([s.request.top_p for s in batch], dtype=torch.float32)
+        top_k = torch.tensor([s.request.top_k for s in batch], dtype=torch.long)
+        generators = [torch.Generator().manual_seed(s.seed) for s in batch]
+        want_routes = any(s.request.return_routed_experts for s in batch)
+        cache = DynamicCache(config=self.hf_model.config)
+
+        logits, version, routes = self._forward(
+            input_ids, attention_mask, position_ids, cache, want_routes
+        )
+        for row, sample in enumerate(batch):
+            sample.weight_version = version
+            if want_routes:
+                sample.routes.append(routes[row, padded_length - sample.prompt_length :])
+
+        live = list(batch)
+        while live:
+            for sample in live:
+                reason = self._abort_reason(sample, epoch)
+                if reason is not None:
+                    sample.finish_reason, sample.abort_message = "abort", reason
+            running = [row for row, sample in enumerate(live) if sample.finish_reason is None]
+            if running:
+                log_probs = temperature_log_probs(logits, temperatures)
+                tokens = sample_tokens(log_probs, temperatures, top_p, top_k, generators)
+                for row in running:
+                    token = int(tokens[row])
+                    self._append_token(live[row], token, float(log_probs[row, token]))
+            keep = [row for row, sample in enumerate(live) if sample.finish_reason is None]
+            if not keep:
+                break
+            if len(keep) < len(live):
+                # Finished rows leave the batch (and the KV cache) instead of decoding padding.
+                index = torch.tensor(keep)
+                cache.batch_select_indices(index)
+                attention_mask, tokens = attention_mask[index], tokens[index]
+                temperatures, top_p, top_k = temperatures[index], top_p[index], top_k[index]
+                generators = [generators[row] for row in keep]
+                live = [live[row] for row in keep]
+            attention_mask = torch.cat(
+                [attention_mask, torch.ones(len(live), 1, dtype=torch.long)], dim=1
+            )
+            # The token just sampled sits at position prompt_length + generated - 1.
+            position_ids = torch.tensor(
+                [[s.prompt_length + len(s.output_ids) - 1] for s in live], dtype=torch.long
+            )
+            logits, version, routes = self._forward(
+                tokens.unsqueeze(1), attention_mask, position_ids, cache, want_routes
+            )
+            for row, sample in enumerate(live):
+                sample.weight_version = min(sample.weight_version, version)
+                if want_routes:
+                    sample.routes.append(routes[row])
+
+    def _append_token(self, sample: _Sample, token: int, log_prob: float) -> None:
+        request = sample.request
+        sample.output_ids.append(token)
+        sample.log_probs.append(log_prob)
+        if token in request.stop_token_ids:
+            sample.finish_reason, sample.matched_stop_token = "stop", token
+        elif (
+            len(sample.output_ids) >= request.max_new_tokens
+            or sample.prompt_length + len(sample.output_ids) >= self.max_positions
+        ):
+            sample.finish_reason = "length"
+
+    def _result(self, sample: _Sample) -> GenerateResult:
+        request = sample.request
+        routed_experts = None
+        if request.return_routed_experts:
+            # The last generated token is never run forward: L - 1 rows (an abort before the
+            # first token drops the last prompt row the same way).
+            num_rows = sample.prompt_length + len(sample.output_ids) - 1
+            routes = torch.cat(sample.routes, dim=0)[:num_rows]
+            routed_experts = routes.numpy().astype(self.route_dtype)
+        return GenerateResult(
+            request_id=request.request_id,
+            output_ids=list(sample.output_ids),
+            output_log_probs=np.asarray(sample.log_probs, dtype=np.float32)
+            if request.return_logprob
+            else None,
+            finish_reason=sample.finish_reason or "abort",
+            prompt_length=sample.prompt_length,
+            weight_version=sample.weight_version,
+            routed_experts=routed_experts,
+            matched_stop_token=sample.matched_stop_token,
+            abort_message=sample.abort_message,
+        )

@@ -1,0 +1,111 @@
+"""Building the rollout engine that ``rollout.engine`` names.
+
+=================  ===========================================================================
+``embedded``       :class:`EmbeddedEngine` in this process; weights by value.
+``embedded_http``  the same engine behind its loopback server, driven by :class:`SGLangEngine`
+                   (the production client path on CPU); weights through the disk transport.
+``sglang``         :class:`SGLangEngine` on ``rollout.sglang_urls``, or on servers launched
+                   from ``model.hf_path`` when ``rollout.sglang_launch``.
+=================  ===========================================================================
+
+The returned engine owns what it started: ``close()`` stops the loopback server or the launched
+SGLang processes.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from typing import Optional
+
+from megatron_gspo.config import ConfigError, ModelConfig, RolloutConfig
+from megatron_gspo.rollout.types import RolloutEngine
+
+
+def build_rollout_engine(
+    rollout: RolloutConfig,
+    model: ModelConfig,
+    *,
+    seed: int = 0,
+    enable_routed_experts: bool = False,
+    work_dir: Optional[str] = None,
+    master_address: Optional[str] = None,
+    master_port: Optional[int] = None,
+) -> RolloutEngine:
+    """The engine of ``rollout.engine`` for ``model``.
+
+    Args:
+        seed: initial random weights of the embedded engine (real weights arrive by sync).
+        enable_routed_experts: R3; launched SGLang servers get --enable-return-routed-experts.
+        work_dir: weight files of the disk transport and server logs (a temporary directory
+            when None).
+        master_address / master_port: rendezvous of the distributed weight transport.
+    """
+    from megatron_gspo.rollout.embedded import EmbeddedEngine
+
+    if rollout.engine == "embedded":
+        return EmbeddedEngine(model, seed=seed)
+
+    from megatron_gspo.rollout.sglang_client import SGLangEngine
+    from megatron_gspo.rollout.sglang_protocol import RouteLayout
+    from megatron_gspo.rollout.sglang_weights import DiskTransport, transport_from_config
+
+    work_dir = work_dir or tempfile.mkdtemp(prefix="megatron_gspo_rollout_")
+    layout = RouteLayout.from_model_config(model) if model.is_moe else None
+    client_options = dict(
+        request_timeout_s=rollout.request_timeout_s,
+        max_retries=rollout.max_retries,
+        max_concurrency=rollout.max_concurrency,
+    )
+    if rollout.engine == "embedded_http":
+        from megatron_gspo.rollout.server import EmbeddedServer
+
+        server = EmbeddedServer(EmbeddedEngine(model, seed=seed)).start()
+        # The loopback server takes weights from disk only (it offers no IPC/NCCL endpoints).
+        transport = DiskTransport(os.path.join(work_dir, "weights"), config_json=None)
+        return SGLangEngine(
+            [server.url],
+            layout,
+            weight_transport=transport,
+            on_close=[server.close],
+            **client_options,
+        )
+
+    urls = list(rollout.sglang_urls)
+    on_close = []
+    if not urls:
+        if not rollout.sglang_launch:
+            raise ConfigError(
+                "rollout.sglang_urls",
+                "no SGLang server to use",
+                "rollout.engine=sglang needs running servers or permission to launch them",
+                "set rollout.sglang_urls=[http://host:port, ...] or rollout.sglang_launch=true",
+            )
+        if model.hf_path is None:
+            raise ConfigError(
+                "model.hf_path",
+                "SGLang needs a Hugging Face model directory to start from",
+                "launched servers load their first weights from disk",
+                "set model.hf_path (export one with tools/convert_checkpoint.py)",
+            )
+        from megatron_gspo.rollout.sglang_launcher import launch_sglang_servers
+
+        servers = launch_sglang_servers(
+            rollout,
+            model.hf_path,
+            enable_return_routed_experts=enable_routed_experts,
+            log_dir=work_dir,
+        )
+        urls = [server.url for server in servers]
+        on_close = [server.stop for server in servers]
+    transport = transport_from_config(
+        rollout,
+        model,
+        num_engines=len(urls),
+        disk_dir=os.path.join(work_dir, "weights"),
+        master_address=master_address,
+        master_port=master_port,
+    )
+    return SGLangEngine(
+        urls, layout, weight_transport=transport, on_close=on_close, **client_options
+    )

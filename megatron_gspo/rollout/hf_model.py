@@ -1,0 +1,116 @@
+"""The policy as a ``transformers`` model, and the recorder of its routers' choices.
+
+transformers 5 MoE routers (``Qwen3MoeTopKRouter``, ``MixtralTopKRouter``, ``Qwen2MoeTopKRouter``)
+return ``(router_logits, top_k_weights, top_k_indices)``; a forward hook on each MoE layer's
+``mlp.gate`` reads the indices, which are logical expert ids (no expert-parallel remap exists in
+a single-process HF model).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+
+from megatron_gspo.config import ModelConfig
+
+
+def build_hf_model(
+    model_config: ModelConfig, *, dtype: torch.dtype = torch.float32, seed: Optional[int] = None
+) -> Any:
+    """A randomly initialised ``transformers`` causal LM with the architecture of ``model_config``.
+
+    Eager attention (the reference implementation, deterministic on CPU), eval mode, gradients
+    off. ``seed`` fixes the initialisation; weights normally arrive later by ``sync_weights``.
+    """
+    import transformers
+
+    from megatron_gspo.convert.hf_config import hf_config_from_model_config
+
+    config = hf_config_from_model_config(model_config)
+    config._attn_implementation = "eager"
+    model_class = getattr(transformers, config.architectures[0])
+    if seed is None:
+        model = model_class(config)
+    else:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            model = model_class(config)
+    model = model.to(dtype=dtype).eval()
+    model.requires_grad_(False)
+    return model
+
+
+def decoder_layers(hf_model: Any) -> list[Any]:
+    """The decoder layers of a ``*ForCausalLM`` model."""
+    return list(hf_model.model.layers)
+
+
+def moe_layer_indices(hf_model: Any) -> list[int]:
+    """Indices of the decoder layers whose MLP routes to experts (dense layers skipped)."""
+    return [
+        index
+        for index, layer in enumerate(decoder_layers(hf_model))
+        if hasattr(layer.mlp, "experts") and hasattr(layer.mlp, "gate")
+    ]
+
+
+class RouteRecorder:
+    """Records the top-k expert ids chosen by every MoE router during forwards.
+
+    Usage::
+
+        with RouteRecorder(model) as recorder:
+            model(...)
+            routes = recorder.pop()   # list over MoE layers of [B, S, K] int64
+
+    Each forward appends one ``[num_tokens, K]`` tensor per MoE layer; :meth:`pop` returns them
+    reshaped to the forward's ``[B, S]`` and clears the buffer. The hooks see every forward of
+    the model, so callers that share a model serialise forward + pop (the embedded engine does
+    under its model lock) and switch :attr:`enabled` off when they need no routes.
+    """
+
+    def __init__(self, hf_model: Any, enabled: bool = True):
+        self.hf_model = hf_model
+        self.enabled = enabled
+        self.layer_indices = moe_layer_indices(hf_model)
+        self._records: list[list[torch.Tensor]] = [[] for _ in self.layer_indices]
+        self._handles: list[Any] = []
+
+    def __enter__(self) -> RouteRecorder:
+        layers = decoder_layers(self.hf_model)
+        for slot, layer_index in enumerate(self.layer_indices):
+            gate = layers[layer_index].mlp.gate
+            self._handles.append(gate.register_forward_hook(self._hook(slot)))
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+    def _hook(self, slot: int):
+        def record(module: Any, inputs: Any, output: Any) -> None:
+            if not self.enabled:
+                return
+            if not isinstance(output, tuple) or len(output) != 3:
+                raise RuntimeError(
+                    f"router {type(module).__name__} returned {type(output).__name__}; expected "
+                    "(router_logits, top_k_weights, top_k_indices) as in transformers 5"
+                )
+            self._records[slot].append(output[2].detach())
+
+        return record
+
+    def pop(self, batch_size: int, seq_len: int) -> list[torch.Tensor]:
+        """Per MoE layer ``[batch_size, seq_len, K]`` ids of the last forward, then clear."""
+        routes = []
+        for slot, records in enumerate(self._records):
+            if len(records) != 1:
+                raise RuntimeError(
+                    f"MoE layer {self.layer_indices[slot]} recorded {len(records)} router calls "
+                    "in one forward; expected exactly 1"
+                )
+            routes.append(records[0].reshape(batch_size, seq_len, -1))
+            records.clear()
+        return routes

@@ -1,0 +1,410 @@
+"""The embedded engine behind a loopback HTTP server that speaks a subset of SGLang's JSON.
+
+It lets the SGLang client code path run for real in CI (rollout engine ``embedded_http``), without
+claiming to be SGLang: ``/model_info`` and ``/server_info`` say ``"engine": "embedded"``, and the
+CUDA-IPC / NCCL weight endpoints (``/update_weights_from_tensor``,
+``/update_weights_from_distributed``, ``/init_weights_update_group``) and the
+``/begin_weight_update`` bracket are absent (404), as on an older SGLang.
+
+Served (bodies and answers as SGLang 0.5.x, see ``sglang_protocol.py``):
+
+=========================================  ==================================================
+``POST /generate``                         token ids in, ``output_ids`` + ``meta_info`` out
+``GET /health``, ``GET /health_generate``  200 when a one-token forward works, else 503
+``GET /model_info``, ``GET /server_info``  engine description (``engine: embedded``)
+``GET|POST /flush_cache``                  200, or 400 while generate calls run (as SGLang)
+``POST /pause_generation``                 ``{"mode": "abort"|"in_place"}``
+``POST /continue_generation``              resume
+``POST /abort_request``                    ``{"rid": ..., "abort_all": bool}``
+``POST /update_weights_from_disk``         ``{"model_path", "weight_version"?}``: safetensors
+=========================================  ==================================================
+
+It binds 127.0.0.1 only: the server has no authentication.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import threading
+import uuid
+from http import HTTPStatus
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any, Optional
+from urllib.parse import urlparse
+
+from megatron_gspo.rollout.embedded import EmbeddedEngine
+from megatron_gspo.rollout.sglang_protocol import RouteLayout, result_json
+from megatron_gspo.rollout.types import GenerateRequest, RolloutEngineError
+
+logger = logging.getLogger(__name__)
+
+LOOPBACK_HOST = "127.0.0.1"
+
+_GENERATE_KEYS = {
+    "input_ids",
+    "rid",
+    "sampling_params",
+    "return_logprob",
+    "logprob_start_len",
+    "top_logprobs_num",
+    "return_routed_experts",
+    "routed_experts_start_len",
+    "stream",
+}
+# Sampling parameters this server honours, and the text-only or neutral ones it accepts at their
+# neutral value (anything else is refused rather than silently ignored).
+_SAMPLING_KEYS = {"max_new_tokens", "temperature", "top_p", "top_k", "n", "stop_token_ids"}
+_SAMPLING_KEYS |= {"sampling_seed", "no_stop_trim", "skip_special_tokens"}
+_SAMPLING_KEYS |= {"spaces_between_special_tokens", "ignore_eos"}
+_NEUTRAL_SAMPLING = {
+    "min_new_tokens": 0,
+    "min_p": 0.0,
+    "frequency_penalty": 0.0,
+    "presence_penalty": 0.0,
+    "repetition_penalty": 1.0,
+    "stop": None,
+    "logit_bias": None,
+}
+_GREEDY_EPS = 1e-6  # SGLang's _SAMPLING_EPS: temperatures below it mean greedy
+
+
+class BadRequest(ValueError):
+    """A request this server refuses with HTTP 400 (the message says what and how to fix)."""
+
+
+def _as_list(value: Any, count: int, name: str) -> list[Any]:
+    if isinstance(value, list):
+        if len(value) != count:
+            raise BadRequest(f"{name} has {len(value)} entries for {count} prompts")
+        return value
+    return [value] * count
+
+
+def _sampling_request(
+    input_ids: Any, rid: str, params: Any, return_logprob: bool, return_routes: bool
+) -> GenerateRequest:
+    params = dict(params or {})
+    for key, neutral in _NEUTRAL_SAMPLING.items():
+        value = params.pop(key, neutral)
+        if not (value is None or value == neutral or value in ([], "")):
+            raise BadRequest(
+                f"sampling_params.{key}={value!r} is not supported by the embedded engine "
+                f"(only {neutral!r}); stop strings need a tokenizer, send stop_token_ids"
+            )
+    unknown = set(params) - _SAMPLING_KEYS
+    if unknown:
+        raise BadRequest(
+            f"unsupported sampling_params {sorted(unknown)}; supported: {sorted(_SAMPLING_KEYS)}"
+        )
+    temperature = params.get("temperature")
+    temperature = 1.0 if temperature is None else float(temperature)
+    if 0 <= temperature < _GREEDY_EPS:
+        temperature = 0.0
+    if not isinstance(input_ids, list) or not all(isinstance(t, int) for t in input_ids):
+        raise BadRequest("input_ids must be a list of token ids (or a list of such lists)")
+    try:
+        return GenerateRequest(
+            input_ids=input_ids,
+            max_new_tokens=int(params.get("max_new_tokens", 128)),
+            temperature=temperature,
+            top_p=float(params.get("top_p", 1.0)),
+            top_k=int(params.get("top_k", -1)),
+            stop_token_ids=params.get("stop_token_ids") or (),
+            seed=params.get("sampling_seed"),
+            return_logprob=bool(return_logprob),
+            return_routed_experts=bool(return_routes),
+            request_id=rid,
+        )
+    except (TypeError, ValueError) as error:
+        raise BadRequest(str(error)) from None
+
+
+def parse_generate_body(body: Any) -> tuple[list[GenerateRequest], int, bool, int]:
+    """``(requests, n, is_single, routed_experts_start_len)`` of a ``/generate`` body.
+
+    Follows SGLang's normalisation: a flat ``input_ids`` is one prompt, a list of lists a batch;
+    a string ``rid`` of a batch becomes ``rid_i``; ``sampling_params`` is one dict or one per
+    prompt with the same ``n``.
+    """
+    if not isinstance(body, dict):
+        raise BadRequest("the /generate body must be a JSON object")
+    if "text" in body:
+        raise BadRequest("the embedded engine has no tokenizer: send input_ids, not text")
+    unknown = set(body) - _GENERATE_KEYS
+    if unknown:
+        raise BadRequest(f"unsupported /generate fields {sorted(unknown)}")
+    if body.get("stream"):
+        raise BadRequest("streaming is not supported by the embedded engine")
+    input_ids = body.get("input_ids")
+    if not isinstance(input_ids, list) or not input_ids:
+        raise BadRequest("input_ids must be a non-empty list")
+    is_single = not isinstance(input_ids[0], list)
+    prompts = [input_ids] if is_single else input_ids
+    count = len(prompts)
+    rid = body.get("rid")
+    if rid is None:
+        rids = [uuid.uuid4().hex for _ in range(count)]
+    elif isinstance(rid, str):
+        rids = [rid] if is_single else [f"{rid}_{i}" for i in range(count)]
+    else:
+        rids = _as_list(rid, count, "rid")
+    sampling = _as_list(body.get("sampling_params"), count, "sampling_params")
+    n_values = {int((params or {}).get("n", 1) or 1) for params in sampling}
+    if len(n_values) != 1:
+        raise BadRequest("sampling_params.n must be the same for every prompt")
+    n = n_values.pop()
+    if n < 1:
+        raise BadRequest(f"sampling_params.n={n} must be >= 1")
+    return_logprob = _as_list(body.get("return_logprob") or False, count, "return_logprob")
+    for name, neutral in (("logprob_start_len", -1), ("top_logprobs_num", 0)):
+        values = _as_list(body.get(name, neutral), count, name)
+        if any(value not in (None, neutral) for value in values):
+            raise BadRequest(
+                f"{name} other than {neutral} is not supported (output log-probs only)"
+            )
+    return_routes = bool(body.get("return_routed_experts", False))
+    start_len = int(body.get("routed_experts_start_len", 0) or 0)
+    requests = [
+        _sampling_request(prompt, str(request_id), params, logprob, return_routes)
+        for prompt, request_id, params, logprob in zip(prompts, rids, sampling, return_logprob)
+    ]
+    if return_routes and any(not 0 <= start_len <= len(r.input_ids) for r in requests):
+        raise BadRequest(f"routed_experts_start_len={start_len} must be in [0, prompt tokens]")
+    return requests, n, is_single and n == 1, start_len
+
+
+class EmbeddedServer:
+    """Serves an :class:`EmbeddedEngine` on ``http://127.0.0.1:<port>`` from a daemon thread.
+
+    ``port=0`` picks a free port; :attr:`url` is the address to give the SGLang client.
+    """
+
+    def __init__(self, engine: EmbeddedEngine, port: int = 0):
+        self.engine = engine
+        self.layout = (
+            RouteLayout(
+                num_hidden_layers=engine.num_hidden_layers,
+                moe_layer_indices=tuple(engine.moe_layer_indices),
+                top_k=engine.model_config.moe_router_topk,
+                num_experts=engine.model_config.num_experts,
+            )
+            if engine.moe_layer_indices
+            else None
+        )
+        handler = type("_BoundHandler", (_Handler,), {"server_state": self})
+        self._http = ThreadingHTTPServer((LOOPBACK_HOST, port), handler)
+        self._http.daemon_threads = True
+        self._thread: Optional[threading.Thread] = None
+
+    @property
+    def port(self) -> int:
+        return self._http.server_address[1]
+
+    @property
+    def url(self) -> str:
+        return f"http://{LOOPBACK_HOST}:{self.port}"
+
+    def start(self) -> EmbeddedServer:
+        self._thread = threading.Thread(
+            target=self._http.serve_forever,
+            kwargs={"poll_interval": 0.05},  # shutdown() waits up to one poll interval
+            name=f"embedded-server-{self.port}",
+            daemon=True,
+        )
+        self._thread.start()
+        return self
+
+    def serve_forever(self) -> None:
+        """Serve from the calling thread until interrupted (the command-line server)."""
+        try:
+            self._http.serve_forever()
+        finally:
+            self._http.server_close()
+
+    def close(self) -> None:
+        """Abort running generation, stop serving and free the port."""
+        self.engine.abort()
+        self.engine.resume()
+        self._http.shutdown()
+        self._http.server_close()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+
+    def __enter__(self) -> EmbeddedServer:
+        return self.start() if self._thread is None else self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ endpoint logic
+
+    def info(self) -> dict[str, Any]:
+        return {**self.engine.info(), "engine": "embedded", "is_generation": True, "url": self.url}
+
+    def generate(self, body: Any) -> Any:
+        requests, n, is_single, start_len = parse_generate_body(body)
+        try:
+            results = self.engine.generate(requests, n)
+        except ValueError as error:
+            raise BadRequest(str(error)) from None
+        items = [
+            result_json(
+                result,
+                self.layout,
+                return_logprob=requests[index // n].return_logprob,
+                return_routed_experts=requests[index // n].return_routed_experts,
+                routed_experts_start_len=start_len,
+            )
+            for index, result in enumerate(results)
+        ]
+        return items[0] if is_single else items
+
+    def update_weights_from_disk(self, body: Any) -> tuple[int, dict[str, Any]]:
+        if not isinstance(body, dict) or not isinstance(body.get("model_path"), str):
+            raise BadRequest("update_weights_from_disk needs {'model_path': <directory>}")
+        if body.get("load_format") not in (None, "auto", "safetensors"):
+            raise BadRequest(f"load_format {body['load_format']!r} is not supported (safetensors)")
+        version = body.get("weight_version")
+        try:
+            version = self.engine.weight_version + 1 if version is None else int(version)
+            if body.get("abort_all_requests"):
+                self.engine.abort()
+            stats = self.engine.load_weights_from_directory(body["model_path"], version)
+        except (OSError, ValueError) as error:
+            return HTTPStatus.BAD_REQUEST, {
+                "success": False,
+                "message": f"Failed to update weights: {error}",
+                "num_paused_requests": 0,
+            }
+        message = f"Succeeded to update model weights ({stats.num_tensors} tensors)."
+        return HTTPStatus.OK, {"success": True, "message": message, "num_paused_requests": 0}
+
+
+class _Handler(BaseHTTPRequestHandler):
+    server_state: EmbeddedServer
+    protocol_version = "HTTP/1.1"
+
+    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - stdlib signature
+        logger.debug("embedded server %s: " + format, self.address_string(), *args)
+
+    def _reply(self, status: int, payload: Any = None, text: Optional[str] = None) -> None:
+        if text is not None:
+            data, content_type = text.encode(), "text/plain; charset=utf-8"
+        elif payload is not None:
+            data, content_type = json.dumps(payload).encode(), "application/json"
+        else:
+            data, content_type = b"", "text/plain"
+        self.send_response(status)
+        self.send_header("Content-Type", content_type)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def _body(self) -> Any:
+        length = int(self.headers.get("Content-Length") or 0)
+        raw = self.rfile.read(length) if length else b""
+        if not raw:
+            return {}
+        try:
+            return json.loads(raw)
+        except json.JSONDecodeError as error:
+            raise BadRequest(f"the body is not JSON: {error}") from None
+
+    def do_GET(self) -> None:
+        self._dispatch("GET")
+
+    def do_POST(self) -> None:
+        self._dispatch("POST")
+
+    def do_PUT(self) -> None:
+        self._dispatch("PUT")
+
+    def _dispatch(self, method: str) -> None:
+        state = self.server_state
+        path = urlparse(self.path).path
+        try:
+            body = self._body() if method in ("POST", "PUT") else {}
+            if path == "/generate" and method in ("POST", "PUT"):
+                self._reply(HTTPStatus.OK, state.generate(body))
+            elif path in ("/health", "/health_generate"):
+                healthy = state.engine.health()
+                self._reply(HTTPStatus.OK if healthy else HTTPStatus.SERVICE_UNAVAILABLE)
+            elif path in ("/model_info", "/get_model_info", "/server_info", "/get_server_info"):
+                self._reply(HTTPStatus.OK, state.info())
+            elif path == "/flush_cache":
+                self._flush()
+            elif path == "/pause_generation" and method == "POST":
+                state.engine.pause(body.get("mode", "abort"))
+                self._reply(
+                    HTTPStatus.OK, {"message": "Generation paused successfully.", "status": "ok"}
+                )
+            elif path == "/continue_generation" and method == "POST":
+                state.engine.resume()
+                self._reply(
+                    HTTPStatus.OK, {"message": "Generation continued successfully.", "status": "ok"}
+                )
+            elif path == "/abort_request" and method == "POST":
+                if body.get("abort_all"):
+                    state.engine.abort()
+                elif body.get("rid"):
+                    state.engine.abort([body["rid"]])
+                self._reply(HTTPStatus.OK)
+            elif path == "/update_weights_from_disk" and method == "POST":
+                self._reply(*state.update_weights_from_disk(body))
+            else:
+                self._reply(
+                    HTTPStatus.NOT_FOUND,
+                    {"error": {"message": f"{method} {path} is not served by the embedded engine"}},
+                )
+        except BadRequest as error:
+            self._reply(HTTPStatus.BAD_REQUEST, {"error": {"message": str(error)}})
+        except (ValueError, RolloutEngineError) as error:
+            self._reply(HTTPStatus.BAD_REQUEST, {"error": {"message": str(error)}})
+        except Exception as error:  # an engine failure must reach the client as a 500, not a hang
+            logger.exception("embedded server: %s %s failed", method, path)
+            self._reply(HTTPStatus.INTERNAL_SERVER_ERROR, {"error": {"message": repr(error)}})
+
+    def _flush(self) -> None:
+        try:
+            self.server_state.engine.flush_cache()
+        except RolloutEngineError as error:
+            self._reply(HTTPStatus.BAD_REQUEST, text=f"{error}\n")
+            return
+        self._reply(HTTPStatus.OK, text="Cache flushed.\n")
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    """``python -m megatron_gspo.rollout.server --port P [--model-config JSON] [--seed S]``:
+    serve a randomly initialised embedded engine until interrupted (weights arrive through
+    ``/update_weights_from_disk``)."""
+    import argparse
+    import dataclasses
+
+    from megatron_gspo.config import ModelConfig, from_dict
+
+    parser = argparse.ArgumentParser(description=main.__doc__)
+    parser.add_argument("--host", default=LOOPBACK_HOST, help="must be 127.0.0.1")
+    parser.add_argument("--port", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--model-config",
+        default="{}",
+        help=f"JSON of ModelConfig fields ({', '.join(f.name for f in dataclasses.fields(ModelConfig))})",
+    )
+    args = parser.parse_args(argv)
+    if args.host != LOOPBACK_HOST:
+        parser.error(
+            f"--host {args.host}: the embedded server has no authentication and binds {LOOPBACK_HOST} only"
+        )
+    logging.basicConfig(level=logging.INFO)
+    model_config = from_dict(ModelConfig, json.loads(args.model_config), prefix="model.")
+    server = EmbeddedServer(EmbeddedEngine(model_config, seed=args.seed), port=args.port)
+    logger.info("embedded rollout server on %s", server.url)
+    with contextlib.suppress(KeyboardInterrupt):
+        server.serve_forever()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,448 @@
+"""``SGLangEngine``: the rollout contract over HTTP to one or more SGLang servers (0.5.x).
+
+Plain HTTP with ``requests``; sglang itself is imported only by the tensor and distributed weight
+transports (``sglang_weights.py``), lazily. The embedded engine's loopback server
+(``server.py``) answers the same subset, so CI runs this client for real.
+
+* ``/generate``: requests are cut into batched calls of at most ``max_requests_per_call`` prompts,
+  each sent to the server with the fewest calls in flight (least-in-flight balancing, so no
+  router is needed; sglang-router 0.3.2 would drop ``return_routed_experts``). With ``n > 1``
+  and a seeded request the client sends the ``n`` samples as separate prompts with
+  ``derive_seed`` seeds, because SGLang would give all ``n`` copies the same ``sampling_seed``.
+* Control calls (abort, pause, continue, flush) go to every server directly.
+* Weight updates run inside ``/begin_weight_update`` ... ``/end_weight_update`` on servers that
+  have them (probed once: 404 means absent; SGLang 0.5.23 refuses tensor and distributed updates
+  outside the bracket).
+* Transport errors (refused or reset connections, 503 while starting) are retried
+  ``max_retries`` times with exponential backoff; a server that stays unreachable raises
+  :class:`RolloutEngineError` naming its URL and the call. A ``/generate`` that timed out is not
+  retried (the server may still be running it).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Iterable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import requests
+
+from megatron_gspo.rollout.sglang_protocol import (
+    RouteLayout,
+    build_generate_payload,
+    parse_generate_response,
+)
+from megatron_gspo.rollout.types import (
+    GenerateRequest,
+    GenerateResult,
+    RolloutEngine,
+    RolloutEngineError,
+    SyncStats,
+    expand_samples,
+)
+
+logger = logging.getLogger(__name__)
+
+SGLANG_PAUSE_MODES = ("abort", "retract", "in_place")
+
+
+@dataclass
+class _Server:
+    url: str
+    in_flight: int = 0
+    has_weight_update_bracket: Optional[bool] = None
+    """None until probed; False when /begin_weight_update answers 404."""
+
+
+class SGLangEngine(RolloutEngine):
+    """Client of SGLang servers (see the module docstring).
+
+    Args:
+        urls: server addresses, ``http://host:port``.
+        route_layout: layer/top-k layout of routed experts; required for R3.
+        weight_transport: a transport from ``sglang_weights.py`` (disk, tensor, distributed);
+            ``None`` makes ``sync_weights`` raise.
+        request_timeout_s: limit of one ``/generate`` call; control_timeout_s: of other calls.
+        max_retries / retry_backoff_s: transport-error retries (backoff doubles each time).
+        max_concurrency: most ``/generate`` calls in flight over all servers.
+        max_requests_per_call: most prompts batched into one ``/generate`` call.
+        flush_retries / flush_retry_interval_s: ``/flush_cache`` answers 400 while requests
+            run; it is retried this many times (slime: 60 x 1 s).
+        resume_empties_torch_cache: ``torch_empty_cache`` of ``/continue_generation`` (emptying
+            the CUDA cache every step cost minutes per sync on large models, slime#67).
+        on_close: callables run by :meth:`close` (stopping servers this client owns).
+    """
+
+    def __init__(
+        self,
+        urls: Sequence[str],
+        route_layout: Optional[RouteLayout] = None,
+        *,
+        weight_transport: Any = None,
+        request_timeout_s: float = 600.0,
+        control_timeout_s: float = 60.0,
+        max_retries: int = 3,
+        retry_backoff_s: float = 0.5,
+        max_concurrency: int = 256,
+        max_requests_per_call: int = 32,
+        flush_retries: int = 60,
+        flush_retry_interval_s: float = 1.0,
+        resume_empties_torch_cache: bool = False,
+        initial_weight_version: int = 0,
+        on_close: Sequence[Any] = (),
+    ):
+        if not urls:
+            raise ValueError("SGLangEngine needs at least one server URL")
+        if max_concurrency < 1 or max_requests_per_call < 1 or max_retries < 0:
+            raise ValueError("max_concurrency and max_requests_per_call must be >= 1, retries >= 0")
+        self.servers = [_Server(url.rstrip("/")) for url in urls]
+        self.route_layout = route_layout
+        self.weight_transport = weight_transport
+        self.request_timeout_s = request_timeout_s
+        self.control_timeout_s = control_timeout_s
+        self.max_retries = max_retries
+        self.retry_backoff_s = retry_backoff_s
+        self.max_concurrency = max_concurrency
+        self.max_requests_per_call = max_requests_per_call
+        self.flush_retries = flush_retries
+        self.flush_retry_interval_s = flush_retry_interval_s
+        self.resume_empties_torch_cache = resume_empties_torch_cache
+        self._weight_version = initial_weight_version
+        self._lock = threading.Lock()
+        self._request_server: dict[str, str] = {}
+        self._executor: Optional[ThreadPoolExecutor] = None
+        self._local = threading.local()
+        self._on_close = list(on_close)
+
+    @classmethod
+    def from_config(
+        cls,
+        rollout: Any,
+        model: Any,
+        urls: Optional[Sequence[str]] = None,
+        *,
+        weight_transport: Any = None,
+    ) -> SGLangEngine:
+        """Client for ``rollout.sglang_urls`` (or ``urls``) with the layout of ``model``.
+
+        ``weight_transport`` defaults to the one ``rollout.weight_transport`` names, built by
+        :func:`megatron_gspo.rollout.sglang_weights.transport_from_config`.
+        """
+        from megatron_gspo.rollout.sglang_weights import transport_from_config
+
+        urls = list(urls if urls is not None else rollout.sglang_urls)
+        layout = RouteLayout.from_model_config(model) if model.is_moe else None
+        if weight_transport is None:
+            weight_transport = transport_from_config(rollout, model, num_engines=len(urls))
+        return cls(
+            urls,
+            layout,
+            weight_transport=weight_transport,
+            request_timeout_s=rollout.request_timeout_s,
+            max_retries=rollout.max_retries,
+            max_concurrency=rollout.max_concurrency,
+        )
+
+    @property
+    def urls(self) -> list[str]:
+        return [server.url for server in self.servers]
+
+    @property
+    def weight_version(self) -> int:
+        return self._weight_version
+
+    # ------------------------------------------------------------------ HTTP
+
+    def _session(self) -> requests.Session:
+        # requests.Session is not thread-safe; one per thread keeps connections pooled.
+        session = getattr(self._local, "session", None)
+        if session is None:
+            session = self._local.session = requests.Session()
+        return session
+
+    def request(
+        self,
+        method: str,
+        url: str,
+        path: str,
+        payload: Any = None,
+        *,
+        timeout: Optional[float] = None,
+        retry_timeouts: bool = True,
+    ) -> requests.Response:
+        """One HTTP call with bounded retries of transport errors and 503; returns the answer
+        whatever its status (callers judge it)."""
+        timeout = self.control_timeout_s if timeout is None else timeout
+        retryable: tuple[type[Exception], ...] = (requests.ConnectionError,)
+        if retry_timeouts:
+            retryable += (requests.Timeout,)
+        last_error = ""
+        for attempt in range(self.max_retries + 1):
+            if attempt:
+                time.sleep(self.retry_backoff_s * 2 ** (attempt - 1))
+            try:
+                response = self._session().request(
+                    method, url + path, json=payload, timeout=timeout
+                )
+            except retryable as error:
+                last_error = f"{type(error).__name__}: {error}"
+                logger.warning("%s%s attempt %d failed: %s", url, path, attempt + 1, last_error)
+                continue
+            except requests.Timeout as error:
+                raise RolloutEngineError(
+                    f"{url}{path}: no answer within {timeout:.0f}s ({error}); the server may be "
+                    "overloaded or hung (raise rollout.request_timeout_s or check its log)"
+                ) from None
+            if response.status_code == 503:
+                last_error = "503 Service Unavailable (starting or unhealthy)"
+                continue
+            return response
+        raise RolloutEngineError(
+            f"{url}{path}: failed after {self.max_retries + 1} attempts ({last_error}); the engine "
+            "is unreachable or died: check its log"
+        )
+
+    def post_json(
+        self, url: str, path: str, payload: Any = None, *, timeout: Optional[float] = None
+    ) -> Any:
+        """POST and return the JSON answer; non-200 or ``success: false`` raise."""
+        response = self.request(
+            "POST", url, path, payload if payload is not None else {}, timeout=timeout
+        )
+        body = _json_or_text(response)
+        if response.status_code != 200:
+            raise RolloutEngineError(f"{url}{path}: HTTP {response.status_code}: {_excerpt(body)}")
+        if isinstance(body, dict) and body.get("success") is False:
+            raise RolloutEngineError(f"{url}{path}: refused: {body.get('message', body)}")
+        return body
+
+    def post_all(
+        self, path: str, payload: Any = None, *, timeout: Optional[float] = None
+    ) -> list[Any]:
+        """:meth:`post_json` to every server concurrently; answers in server order."""
+        if len(self.servers) == 1:
+            return [self.post_json(self.servers[0].url, path, payload, timeout=timeout)]
+        with ThreadPoolExecutor(max_workers=len(self.servers)) as pool:
+            futures = [
+                pool.submit(self.post_json, server.url, path, payload, timeout=timeout)
+                for server in self.servers
+            ]
+            return [future.result() for future in futures]
+
+    # ------------------------------------------------------------------ generation
+
+    def generate(self, requests: Sequence[GenerateRequest], n: int = 1) -> list[GenerateResult]:
+        if n < 1:
+            raise ValueError(f"n={n} < 1")
+        if any(request.seed is not None for request in requests) and n > 1:
+            requests, n = expand_samples(requests, n), 1
+        if any(r.return_routed_experts for r in requests) and self.route_layout is None:
+            raise ValueError("routed experts requested but the SGLangEngine has no route_layout")
+        chunks = self._chunks(list(requests))
+        if not chunks:
+            return []
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(
+                max_workers=self.max_concurrency, thread_name_prefix="sglang-generate"
+            )
+        futures = [self._executor.submit(self._generate_call, chunk, n) for chunk in chunks]
+        results: list[GenerateResult] = []
+        errors = []
+        for future in futures:
+            try:
+                results.extend(future.result())
+            except Exception as error:  # collect every call's fate before raising the first
+                errors.append(error)
+        if errors:
+            raise errors[0]
+        return results
+
+    def _chunks(self, requests: list[GenerateRequest]) -> list[list[GenerateRequest]]:
+        """Consecutive requests with the same return flags, at most max_requests_per_call each."""
+        chunks: list[list[GenerateRequest]] = []
+        for request in requests:
+            flags = (request.return_logprob, request.return_routed_experts)
+            last = chunks[-1] if chunks else None
+            if (
+                last is None
+                or len(last) >= self.max_requests_per_call
+                or (last[0].return_logprob, last[0].return_routed_experts) != flags
+            ):
+                chunks.append([request])
+            else:
+                last.append(request)
+        return chunks
+
+    def _acquire_server(self) -> _Server:
+        with self._lock:
+            server = min(self.servers, key=lambda s: s.in_flight)
+            server.in_flight += 1
+            return server
+
+    def _generate_call(self, chunk: list[GenerateRequest], n: int) -> list[GenerateResult]:
+        server = self._acquire_server()
+        request_ids = [request.request_id for request in chunk]
+        with self._lock:
+            self._request_server.update(dict.fromkeys(request_ids, server.url))
+        try:
+            response = self.request(
+                "POST",
+                server.url,
+                "/generate",
+                build_generate_payload(chunk, n),
+                timeout=self.request_timeout_s,
+                retry_timeouts=False,
+            )
+            body = _json_or_text(response)
+            if response.status_code != 200:
+                raise RolloutEngineError(
+                    f"{server.url}/generate: HTTP {response.status_code}: {_excerpt(body)}"
+                )
+            return parse_generate_response(body, chunk, n, self.route_layout, source=server.url)
+        finally:
+            with self._lock:
+                server.in_flight -= 1
+                for request_id in request_ids:
+                    self._request_server.pop(request_id, None)
+
+    # ------------------------------------------------------------------ control
+
+    def abort(self, request_ids: Optional[Iterable[str]] = None) -> None:
+        """Abort by id on the server running it (every server if unknown), or everything.
+
+        With ``n > 1`` and no seed, SGLang renames the ``n`` copies, so only ``abort()`` (all)
+        reaches them.
+        """
+        if request_ids is None:
+            self.post_all("/abort_request", {"abort_all": True})
+            return
+        for request_id in request_ids:
+            with self._lock:
+                url = self._request_server.get(request_id)
+            for target in [url] if url else self.urls:
+                response = self.request("POST", target, "/abort_request", {"rid": request_id})
+                if response.status_code != 200:
+                    raise RolloutEngineError(
+                        f"{target}/abort_request: HTTP {response.status_code}: "
+                        f"{_excerpt(_json_or_text(response))}"
+                    )
+
+    def pause(self, mode: str = "abort") -> None:
+        if mode not in SGLANG_PAUSE_MODES:
+            raise ValueError(f"pause mode {mode!r} is not one of {SGLANG_PAUSE_MODES}")
+        self.post_all("/pause_generation", {"mode": mode})
+
+    def resume(self) -> None:
+        self.post_all(
+            "/continue_generation", {"torch_empty_cache": self.resume_empties_torch_cache}
+        )
+
+    def flush_cache(self) -> None:
+        """``/flush_cache`` on every server, retried while it answers 400 (requests running)."""
+        for server in self.servers:
+            for attempt in range(self.flush_retries + 1):
+                response = self.request("GET", server.url, "/flush_cache")
+                if response.status_code == 200:
+                    break
+                if response.status_code != 400 or attempt == self.flush_retries:
+                    raise RolloutEngineError(
+                        f"{server.url}/flush_cache: HTTP {response.status_code} after "
+                        f"{attempt + 1} attempts: {_excerpt(_json_or_text(response))}; pause "
+                        "generation before flushing"
+                    )
+                time.sleep(self.flush_retry_interval_s)
+
+    def health(self) -> bool:
+        for server in self.servers:
+            try:
+                response = self._session().get(
+                    server.url + "/health_generate", timeout=self.control_timeout_s
+                )
+            except requests.RequestException as error:
+                logger.warning("%s/health_generate: %s", server.url, error)
+                return False
+            if response.status_code != 200:
+                logger.warning("%s/health_generate: HTTP %d", server.url, response.status_code)
+                return False
+        return True
+
+    def info(self) -> dict[str, Any]:
+        servers = []
+        for server in self.servers:
+            body = _json_or_text(self.request("GET", server.url, "/model_info"))
+            servers.append(
+                {"url": server.url, **(body if isinstance(body, dict) else {"raw": body})}
+            )
+        return {
+            "engine": "sglang_client",
+            "weight_version": self._weight_version,
+            "servers": servers,
+        }
+
+    def close(self) -> None:
+        if self._executor is not None:
+            self._executor.shutdown(wait=True, cancel_futures=True)
+            self._executor = None
+        if self.weight_transport is not None:
+            self.weight_transport.close()
+        while self._on_close:
+            self._on_close.pop()()
+
+    # ------------------------------------------------------------------ weights
+
+    def sync_weights(self, named_tensors: Iterator[tuple[str, Any]], version: int) -> SyncStats:
+        """Send HF-named tensors through the configured transport, inside the weight-update
+        bracket where servers have it; the servers take ``version`` as their weight version."""
+        if self.weight_transport is None:
+            raise RolloutEngineError(
+                "SGLangEngine.sync_weights: no weight transport configured (disk, tensor or "
+                "distributed; see rollout.weight_transport)"
+            )
+        bracketed = self._begin_weight_update()
+        try:
+            stats = self.weight_transport.sync(self, named_tensors, version)
+        finally:
+            self._end_weight_update(bracketed)
+        self._weight_version = int(version)
+        return stats
+
+    def _begin_weight_update(self) -> list[_Server]:
+        opened = []
+        for server in self.servers:
+            if server.has_weight_update_bracket is False:
+                continue
+            response = self.request("POST", server.url, "/begin_weight_update", {"selector": "all"})
+            if response.status_code == 404:
+                server.has_weight_update_bracket = False
+                continue
+            body = _json_or_text(response)
+            if response.status_code != 200 or (
+                isinstance(body, dict) and body.get("success") is False
+            ):
+                self._end_weight_update(opened)
+                raise RolloutEngineError(
+                    f"{server.url}/begin_weight_update: HTTP {response.status_code}: {_excerpt(body)}"
+                )
+            server.has_weight_update_bracket = True
+            opened.append(server)
+        return opened
+
+    def _end_weight_update(self, opened: list[_Server]) -> None:
+        for server in opened:
+            self.post_json(server.url, "/end_weight_update", {})
+
+
+def _json_or_text(response: requests.Response) -> Any:
+    try:
+        return response.json()
+    except ValueError:
+        return response.text
+
+
+def _excerpt(body: Any, limit: int = 500) -> str:
+    text = body if isinstance(body, str) else repr(body)
+    return text if len(text) <= limit else text[:limit] + "..."

@@ -1,0 +1,304 @@
+"""SGLang 0.5.x ``/generate`` JSON: building requests, parsing responses, routed-experts codec.
+
+Pure functions shared by the SGLang client (which parses) and the embedded loopback server (which
+answers in the same shape). No sglang import. Shapes and fields follow
+``reference/sglang-protocol.md`` sections 1-2:
+
+* request: ``input_ids`` (one list, or a list of lists for a batch), ``rid``,
+  ``sampling_params`` (dict, or one per prompt), ``return_logprob``, ``return_routed_experts``;
+  ``n > 1`` expands prompt-major: prompt0 x n, then prompt1 x n.
+* response: a dict (single prompt, n == 1) or a list; each item has ``output_ids`` and
+  ``meta_info`` with ``finish_reason {type: stop|length|abort, matched|length|message}``,
+  ``output_token_logprobs [[logprob, token_id, text|null], ...]``, ``weight_version`` (a string)
+  and ``routed_experts``: base64 of a flat int32 array ``[L - 1, num_hidden_layers, K]`` with
+  dense layers zero-filled.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import numpy as np
+
+from megatron_gspo.rollout.types import (
+    GenerateRequest,
+    GenerateResult,
+    RolloutEngineError,
+    routed_experts_dtype,
+    sample_request_id,
+)
+
+
+@dataclass(frozen=True)
+class RouteLayout:
+    """How routed experts are laid out: which hidden layers are MoE, top-k, expert count."""
+
+    num_hidden_layers: int
+    moe_layer_indices: tuple[int, ...]
+    top_k: int
+    num_experts: int
+
+    @classmethod
+    def from_model_config(cls, model: Any) -> RouteLayout:
+        """From a :class:`~megatron_gspo.config.ModelConfig`."""
+        return cls(
+            num_hidden_layers=model.num_layers,
+            moe_layer_indices=tuple(model.moe_layer_indices),
+            top_k=model.moe_router_topk,
+            num_experts=model.num_experts,
+        )
+
+
+def encode_routed_experts(routes: np.ndarray, layout: RouteLayout) -> str:
+    """``[rows, M, K]`` ids (MoE layers only) -> SGLang's base64 int32 ``[rows, layers, K]``."""
+    rows = routes.shape[0]
+    full = np.zeros((rows, layout.num_hidden_layers, layout.top_k), dtype=np.int32)
+    full[:, list(layout.moe_layer_indices), :] = routes
+    return base64.b64encode(full.tobytes()).decode("ascii")
+
+
+def decode_routed_experts(value: Any, num_rows: int, layout: RouteLayout) -> np.ndarray:
+    """SGLang's base64 int32 routes -> ``[num_rows, M, K]`` ids of the MoE layers.
+
+    Raises ``ValueError`` when the string is not base64, its element count is not
+    ``num_rows * num_hidden_layers * K`` (slime checks the same), or an id is out of range.
+    """
+    if not isinstance(value, str):
+        raise ValueError(f"routed_experts is {type(value).__name__}, expected a base64 string")
+    try:
+        raw = base64.b64decode(value, validate=True)
+    except (binascii.Error, ValueError) as error:
+        raise ValueError(f"routed_experts is not valid base64 ({error})") from None
+    if len(raw) % 4:
+        raise ValueError(f"routed_experts holds {len(raw)} bytes, not a whole number of int32")
+    flat = np.frombuffer(raw, dtype=np.int32)
+    expected = num_rows * layout.num_hidden_layers * layout.top_k
+    if flat.size != expected:
+        raise ValueError(
+            f"routed_experts holds {flat.size} int32, expected {expected} = (prompt + response - 1 "
+            f"= {num_rows}) x {layout.num_hidden_layers} layers x top-{layout.top_k}; was the "
+            "server started with --enable-return-routed-experts for this model?"
+        )
+    routes = flat.reshape(num_rows, layout.num_hidden_layers, layout.top_k)
+    routes = routes[:, list(layout.moe_layer_indices), :]
+    if routes.size and (routes.min() < 0 or routes.max() >= layout.num_experts):
+        raise ValueError(
+            f"routed_experts has ids in [{routes.min()}, {routes.max()}], outside "
+            f"[0, {layout.num_experts})"
+        )
+    return routes.astype(routed_experts_dtype(layout.num_experts))
+
+
+def sampling_params_json(request: GenerateRequest, n: int = 1) -> dict[str, Any]:
+    """SGLang ``sampling_params`` of one request (token-level: no stop strings, no trimming)."""
+    params: dict[str, Any] = {
+        "max_new_tokens": request.max_new_tokens,
+        "temperature": request.temperature,
+        "top_p": request.top_p,
+        "top_k": request.top_k,
+        "n": n,
+        "no_stop_trim": True,
+        "skip_special_tokens": False,
+        "spaces_between_special_tokens": False,
+    }
+    if request.stop_token_ids:
+        params["stop_token_ids"] = list(request.stop_token_ids)
+    if request.seed is not None:
+        params["sampling_seed"] = request.seed
+    return params
+
+
+def build_generate_payload(requests: Sequence[GenerateRequest], n: int = 1) -> dict[str, Any]:
+    """The ``/generate`` body for ``requests`` (a batch when there are several).
+
+    All requests of one call must agree on ``return_logprob`` and ``return_routed_experts``
+    (SGLang takes one ``return_routed_experts`` per call, and lists of logprob flags are refused
+    with ``n > 1``).
+    """
+    if not requests:
+        raise ValueError("build_generate_payload: no requests")
+    flags = {(r.return_logprob, r.return_routed_experts) for r in requests}
+    if len(flags) > 1:
+        raise ValueError("requests of one /generate call must share return_logprob/routed_experts")
+    return_logprob, return_routed_experts = flags.pop()
+    payload: dict[str, Any] = {
+        "return_logprob": return_logprob,
+        "logprob_start_len": -1,
+        "top_logprobs_num": 0,
+    }
+    if return_routed_experts:
+        payload["return_routed_experts"] = True
+        payload["routed_experts_start_len"] = 0
+    if len(requests) == 1:
+        payload.update(
+            input_ids=list(requests[0].input_ids),
+            rid=requests[0].request_id,
+            sampling_params=sampling_params_json(requests[0], n),
+        )
+    else:
+        payload.update(
+            input_ids=[list(r.input_ids) for r in requests],
+            rid=[r.request_id for r in requests],
+            sampling_params=[sampling_params_json(r, n) for r in requests],
+        )
+    return payload
+
+
+def parse_weight_version(value: Any) -> int:
+    """SGLang's weight version string as our int (``"default"``, a fresh server's, is 0)."""
+    if value is None or value == "default":
+        return 0
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        raise ValueError(
+            f"weight_version {value!r} is not an integer; launch the server with "
+            "--weight-version 0 and sync weights through this client"
+        ) from None
+
+
+def _parse_item(
+    item: Any, request: GenerateRequest, result_id: str, layout: Optional[RouteLayout]
+) -> GenerateResult:
+    if not isinstance(item, dict):
+        raise ValueError(f"item is {type(item).__name__}, expected an object")
+    output_ids = item.get("output_ids")
+    meta = item.get("meta_info")
+    if not isinstance(output_ids, list) or not all(isinstance(t, int) for t in output_ids):
+        raise ValueError("output_ids is missing or not a list of ints")
+    if not isinstance(meta, dict):
+        raise ValueError("meta_info is missing or not an object")
+    finish = meta.get("finish_reason")
+    if not isinstance(finish, dict) or finish.get("type") not in ("stop", "length", "abort"):
+        raise ValueError(f"finish_reason {finish!r} is not {{type: stop|length|abort, ...}}")
+    prompt_tokens = meta.get("prompt_tokens", len(request.input_ids))
+    if prompt_tokens != len(request.input_ids):
+        raise ValueError(
+            f"prompt_tokens={prompt_tokens} but the request had {len(request.input_ids)} tokens"
+        )
+    log_probs = None
+    if request.return_logprob:
+        entries = meta.get("output_token_logprobs")
+        if not isinstance(entries, list) or len(entries) != len(output_ids):
+            raise ValueError(
+                f"output_token_logprobs has {len(entries) if isinstance(entries, list) else entries!r}"
+                f" entries for {len(output_ids)} output tokens"
+            )
+        for position, (entry, token) in enumerate(zip(entries, output_ids)):
+            if not isinstance(entry, list) or len(entry) < 2 or entry[1] != token:
+                raise ValueError(
+                    f"output_token_logprobs[{position}] = {entry!r} does not match output token "
+                    f"{token} ([logprob, token_id, text])"
+                )
+        log_probs = np.asarray([float(entry[0]) for entry in entries], dtype=np.float32)
+    versions = meta.get("weight_versions")
+    if isinstance(versions, list) and versions:
+        # A sample whose tokens span several versions (an in-place update mid-generation) is
+        # attributed to its oldest policy.
+        weight_version = min(parse_weight_version(span.get("version")) for span in versions)
+    else:
+        weight_version = parse_weight_version(meta.get("weight_version"))
+    routes = None
+    if request.return_routed_experts:
+        if layout is None:
+            raise ValueError("routed experts returned but the client has no RouteLayout")
+        if "routed_experts" not in meta:
+            raise ValueError(
+                "meta_info has no routed_experts: start the server with "
+                "--enable-return-routed-experts and do not route through sglang-router 0.3.2 "
+                "(it drops return_routed_experts)"
+            )
+        num_rows = len(request.input_ids) + len(output_ids) - 1
+        routes = decode_routed_experts(meta["routed_experts"], num_rows, layout)
+    return GenerateResult(
+        request_id=result_id,
+        output_ids=list(output_ids),
+        output_log_probs=log_probs,
+        finish_reason=finish["type"],
+        prompt_length=len(request.input_ids),
+        weight_version=weight_version,
+        routed_experts=routes,
+        matched_stop_token=finish.get("matched")
+        if isinstance(finish.get("matched"), int)
+        else None,
+        abort_message=finish.get("message") if finish["type"] == "abort" else None,
+    )
+
+
+def parse_generate_response(
+    body: Any,
+    requests: Sequence[GenerateRequest],
+    n: int = 1,
+    layout: Optional[RouteLayout] = None,
+    source: str = "server",
+) -> list[GenerateResult]:
+    """Results of a ``/generate`` answer, prompt-major (``len(requests) * n``).
+
+    Raises :class:`RolloutEngineError` naming ``source`` (the URL) and the faulty item when the
+    answer is not shaped like SGLang 0.5.x's.
+    """
+    expected = len(requests) * n
+    items = [body] if isinstance(body, dict) else body
+    if not isinstance(items, list) or len(items) != expected:
+        count = len(items) if isinstance(items, list) else type(body).__name__
+        raise RolloutEngineError(
+            f"{source}/generate: malformed answer: expected {expected} results "
+            f"({len(requests)} prompts x n={n}), got {count}"
+        )
+    results = []
+    for index, item in enumerate(items):
+        request = requests[index // n]
+        result_id = sample_request_id(request.request_id, index % n, n)
+        try:
+            results.append(_parse_item(item, request, result_id, layout))
+        except ValueError as error:
+            raise RolloutEngineError(
+                f"{source}/generate: malformed result {index} (request {result_id!r}): {error}"
+            ) from None
+    return results
+
+
+def result_json(
+    result: GenerateResult,
+    layout: Optional[RouteLayout],
+    return_logprob: bool,
+    return_routed_experts: bool,
+    routed_experts_start_len: int = 0,
+) -> dict[str, Any]:
+    """One ``/generate`` answer item for ``result``, shaped like SGLang 0.5.x's with
+    ``--skip-tokenizer-init`` (no ``text``)."""
+    if result.finish_reason == "stop":
+        finish: dict[str, Any] = {"type": "stop", "matched": result.matched_stop_token}
+    elif result.finish_reason == "length":
+        finish = {"type": "length", "length": len(result.output_ids)}
+    else:
+        finish = {
+            "type": "abort",
+            "message": result.abort_message or "Aborted",
+            "status_code": None,
+            "err_type": None,
+        }
+    meta: dict[str, Any] = {
+        "id": result.request_id,
+        "finish_reason": finish,
+        "prompt_tokens": result.prompt_length,
+        "completion_tokens": len(result.output_ids),
+        "cached_tokens": 0,
+        "weight_version": str(result.weight_version),
+    }
+    if return_logprob:
+        meta["output_token_logprobs"] = [
+            [float(log_prob), int(token), None]
+            for log_prob, token in zip(result.output_log_probs, result.output_ids)
+        ]
+    if return_routed_experts:
+        if layout is None or result.routed_experts is None:
+            raise ValueError("result_json: routed experts asked but not recorded")
+        meta["routed_experts"] = encode_routed_experts(
+            result.routed_experts[routed_experts_start_len:], layout
+        )
+    return {"output_ids": list(result.output_ids), "meta_info": meta}

@@ -1,0 +1,268 @@
+"""The rollout contract: our request/result types and the engine interface.
+
+These are the trainer's own types, not SGLang's: every backend (the embedded transformers engine,
+the SGLang HTTP client) maps them onto its own protocol, so the RL loop never sees backend JSON.
+
+Shapes: ``P`` prompt tokens, ``R`` generated tokens, ``L = P + R``, ``M`` MoE layers (dense layers
+skipped), ``K`` experts per token (top-k).
+"""
+
+from __future__ import annotations
+
+import abc
+import hashlib
+import uuid
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import numpy as np
+
+FINISH_REASONS = ("stop", "length", "abort")
+PAUSE_MODES = ("abort", "in_place")
+
+
+class RolloutEngineError(RuntimeError):
+    """A rollout engine failed: it died, answered malformed data or refused an operation.
+
+    The message names the engine (URL for servers) and the operation.
+    """
+
+
+@dataclass(frozen=True)
+class GenerateRequest:
+    """One prompt to complete.
+
+    ``temperature == 0`` means greedy decoding; the returned log-probs are then at temperature 1
+    (SGLang turns ``temperature=0`` into ``temperature=1, top_k=1``). ``top_k=-1`` and
+    ``top_p=1`` disable truncation. ``seed=None`` lets the engine pick a seed.
+    """
+
+    input_ids: Sequence[int]
+    max_new_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    stop_token_ids: Sequence[int] = ()
+    seed: Optional[int] = None
+    return_logprob: bool = True
+    return_routed_experts: bool = False
+    request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "input_ids", [int(token) for token in self.input_ids])
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        problems = []
+        if not self.input_ids:
+            problems.append("input_ids is empty (a prompt needs at least one token)")
+        if any(token < 0 for token in self.input_ids):
+            problems.append("input_ids has negative token ids")
+        if self.max_new_tokens < 1:
+            problems.append(f"max_new_tokens={self.max_new_tokens} < 1")
+        if not self.temperature >= 0 or self.temperature != self.temperature:
+            problems.append(f"temperature={self.temperature} is not >= 0")
+        if not 0 < self.top_p <= 1:
+            problems.append(f"top_p={self.top_p} is outside (0, 1]")
+        if self.top_k != -1 and self.top_k < 1:
+            problems.append(f"top_k={self.top_k} is neither -1 (off) nor >= 1")
+        if self.seed is not None and not -(2**63) <= self.seed < 2**63:
+            problems.append(f"seed={self.seed} does not fit in int64")
+        if not self.request_id:
+            problems.append("request_id is empty")
+        if problems:
+            raise ValueError(
+                f"invalid GenerateRequest {self.request_id!r}: " + "; ".join(problems) + "."
+            )
+
+
+@dataclass
+class GenerateResult:
+    """One completion.
+
+    ``output_log_probs[j]`` is ``log_softmax(logits / T)[output_ids[j]]`` at the sampling
+    temperature ``T``, before top-p/top-k truncation (SGLang semantics); ``None`` when not asked.
+    ``routed_experts`` is ``[L - 1, M, K]`` logical expert ids (uint8 when there are at most 256
+    experts, int16 otherwise): rows are the prompt tokens and every generated token except the
+    last, which is never run forward; ``None`` when not asked.
+    """
+
+    request_id: str
+    output_ids: list[int]
+    output_log_probs: Optional[np.ndarray]
+    finish_reason: str
+    prompt_length: int
+    weight_version: int
+    routed_experts: Optional[np.ndarray] = None
+    matched_stop_token: Optional[int] = None
+    """The stop token that ended the sample (finish_reason == "stop")."""
+    abort_message: Optional[str] = None
+    """Why the sample was aborted (finish_reason == "abort")."""
+
+    def __post_init__(self) -> None:
+        if self.finish_reason not in FINISH_REASONS:
+            raise ValueError(
+                f"result {self.request_id!r}: finish_reason {self.finish_reason!r} is not one of "
+                f"{FINISH_REASONS}"
+            )
+        if self.output_log_probs is not None and len(self.output_log_probs) != len(self.output_ids):
+            raise ValueError(
+                f"result {self.request_id!r}: {len(self.output_log_probs)} log-probs for "
+                f"{len(self.output_ids)} output tokens"
+            )
+        if self.routed_experts is not None:
+            expected_rows = self.prompt_length + len(self.output_ids) - 1
+            if self.routed_experts.ndim != 3 or self.routed_experts.shape[0] != expected_rows:
+                raise ValueError(
+                    f"result {self.request_id!r}: routed_experts has shape "
+                    f"{tuple(self.routed_experts.shape)}, expected [{expected_rows}, M, K] "
+                    f"(prompt {self.prompt_length} + response {len(self.output_ids)} - 1 rows)"
+                )
+
+    @property
+    def response_length(self) -> int:
+        return len(self.output_ids)
+
+
+@dataclass
+class SyncStats:
+    """What one weight synchronisation moved."""
+
+    weight_version: int
+    num_tensors: int
+    num_bytes: int
+    seconds: float
+    num_buckets: int = 1
+
+    @property
+    def gigabytes_per_second(self) -> float:
+        return self.num_bytes / 1e9 / self.seconds if self.seconds > 0 else float("inf")
+
+
+def routed_experts_dtype(num_experts: int) -> np.dtype:
+    """Smallest integer dtype that holds expert ids ``0 .. num_experts - 1`` (uint8 or int16)."""
+    if num_experts <= 256:
+        return np.dtype(np.uint8)
+    if num_experts <= 32768:
+        return np.dtype(np.int16)
+    raise ValueError(f"{num_experts} experts do not fit in int16 expert ids")
+
+
+def derive_seed(seed: int, sample_index: int) -> int:
+    """Seed of sample ``sample_index`` of a request with ``seed`` (for ``n > 1``).
+
+    Sample 0 keeps ``seed``, so ``n=1`` and the first of ``n`` samples agree; the others get a
+    hash of ``(seed, index)`` in ``[0, 2**63)`` so that the ``n`` samples are independent.
+    """
+    if sample_index == 0:
+        return seed
+    digest = hashlib.blake2b(f"{seed}:{sample_index}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
+
+
+def sample_request_id(request_id: str, sample_index: int, n: int) -> str:
+    """Id of sample ``sample_index`` of ``n`` drawn for ``request_id`` (unchanged when n == 1)."""
+    return request_id if n == 1 else f"{request_id}/{sample_index}"
+
+
+def expand_samples(requests: Sequence[GenerateRequest], n: int) -> list[GenerateRequest]:
+    """``n`` requests per prompt, prompt-major (p0 x n, p1 x n, ...), with derived seeds and ids."""
+    if n < 1:
+        raise ValueError(f"n={n} < 1: the number of samples per prompt must be positive")
+    if n == 1:
+        return list(requests)
+    import dataclasses
+
+    return [
+        dataclasses.replace(
+            request,
+            seed=None if request.seed is None else derive_seed(request.seed, index),
+            request_id=sample_request_id(request.request_id, index, n),
+        )
+        for request in requests
+        for index in range(n)
+    ]
+
+
+class RolloutEngine(abc.ABC):
+    """A policy that generates samples and takes new weights.
+
+    Weight-sync protocol (what the RL loop does every step)::
+
+        engine.pause()          # abort (or freeze) in-flight generation
+        engine.flush_cache()    # prefix caches hold KV and routes of the old weights
+        stats = engine.sync_weights(hf_named_tensors, version)
+        engine.resume()
+
+    :func:`sync_weights_paused` does exactly that.
+    """
+
+    @abc.abstractmethod
+    def generate(self, requests: Sequence[GenerateRequest], n: int = 1) -> list[GenerateResult]:
+        """Complete every request ``n`` times; results prompt-major (``len(requests) * n``).
+
+        With ``n > 1`` sample ``j`` of a request has id ``request_id/j`` and seed
+        ``derive_seed(seed, j)``.
+        """
+
+    @abc.abstractmethod
+    def abort(self, request_ids: Optional[Iterable[str]] = None) -> None:
+        """Abort the given in-flight requests (all when ``None``); they finish with "abort"."""
+
+    @abc.abstractmethod
+    def pause(self, mode: str = "abort") -> None:
+        """Stop generating until :meth:`resume`: ``abort`` ends in-flight requests (partial
+        results come back with finish_reason "abort"), ``in_place`` freezes them."""
+
+    @abc.abstractmethod
+    def resume(self) -> None:
+        """Continue after :meth:`pause`."""
+
+    @abc.abstractmethod
+    def flush_cache(self) -> None:
+        """Drop cached prefixes (KV and routes); raise :class:`RolloutEngineError` if it cannot."""
+
+    @abc.abstractmethod
+    def health(self) -> bool:
+        """True when the engine can generate a token now."""
+
+    @abc.abstractmethod
+    def sync_weights(self, named_tensors: Iterator[tuple[str, Any]], version: int) -> SyncStats:
+        """Load full (unsharded) tensors under their on-disk Hugging Face names and set the
+        weight version. Strict: unknown or missing names and shape mismatches raise."""
+
+    @property
+    @abc.abstractmethod
+    def weight_version(self) -> int:
+        """Version of the weights generating now."""
+
+    def info(self) -> dict[str, Any]:
+        """Static description of the engine (kind, model, versions) for logs."""
+        return {"engine": type(self).__name__, "weight_version": self.weight_version}
+
+    def close(self) -> None:  # noqa: B027 - optional hook with nothing to release by default
+        """Release threads, servers and memory."""
+
+    def __enter__(self) -> RolloutEngine:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+
+def sync_weights_paused(
+    engine: RolloutEngine,
+    named_tensors: Iterator[tuple[str, Any]],
+    version: int,
+    pause_mode: str = "abort",
+) -> SyncStats:
+    """Pause, flush, sync and resume: the weight update of one RL step.
+
+    The engine is resumed even when the sync fails, so that the error, not a hang, reaches the
+    caller.
+    """
+    engine.pause(pause_mode)
+    try:
+        engine.flush_cache()
+        return engine.sync_weights(named_tensors, version)
+    finally:
+        engine.resume()

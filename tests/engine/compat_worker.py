@@ -1,0 +1,225 @@
+"""Checks of the CPU shims, run in a fresh process (shims change torch/megatron globals).
+
+1. ``need``: on the UNPATCHED upstream, the thing each shim covers still fails or still has the
+   CUDA-only code (so the shim is still necessary).
+2. ``gpu``: with CUDA reported available, ``apply_cpu_shims`` patches nothing.
+3. ``works``: after ``apply_cpu_shims``, each covered call works on CPU (the layouts that need
+   them run in test_layouts.py).
+
+Prints one JSON object ``{check: {shim: "ok" | error text}}``.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import re
+import sys
+import traceback
+import warnings
+
+warnings.filterwarnings("ignore")
+
+import torch  # noqa: E402
+
+from megatron_gspo.engine import compat  # noqa: E402
+
+CUDA_LITERAL = re.compile(r"device=['\"]cuda['\"]")
+
+
+def _raises(function) -> bool:
+    try:
+        function()
+    except Exception:
+        return True
+    return False
+
+
+def need_probes() -> dict:
+    """shim name -> probe returning True when upstream still needs the shim."""
+    from megatron.core import utils
+    from megatron.core.distributed import param_and_grad_buffer
+    from megatron.core.models.common.language_module import language_module
+    from megatron.core.optimizer import clip_grads, distrib_optimizer
+    from megatron.core.tensor_parallel import mappings
+    from megatron.core.tensor_parallel import random as tp_random
+    from megatron.core.transformer.moe import moe_utils, token_dispatcher
+
+    def cuda_allocations() -> bool:
+        import importlib
+
+        return all(
+            CUDA_LITERAL.search(inspect.getsource(importlib.import_module(name)))
+            for name in compat.CUDA_ALLOCATING_MODULES
+        )
+
+    return {
+        "current_device": lambda: (
+            "torch.cuda.current_device()" in inspect.getsource(param_and_grad_buffer)
+            and _raises(torch.cuda.current_device)
+        ),
+        "cuda_allocations": cuda_allocations,
+        "local_l2_norm": lambda: (
+            clip_grads.l2_norm_impl is utils.local_multi_tensor_l2_norm
+            and bool(CUDA_LITERAL.search(inspect.getsource(utils.local_multi_tensor_l2_norm)))
+        ),
+        "cuda_rng": lambda: (
+            _raises(tp_random._get_cuda_rng_state) and _raises(torch.cuda.get_rng_state)
+        ),
+        "synchronize_and_streams": lambda: (
+            _raises(torch.cuda.Stream)
+            and "torch.cuda.Stream()" in inspect.getsource(token_dispatcher)
+        ),
+        "tensor_type_names": lambda: (
+            torch.zeros(1).type() == "torch.FloatTensor"
+            and "torch.cuda.FloatTensor"
+            in inspect.getsource(clip_grads.clip_grad_by_total_norm_fp32)
+            and "torch.cuda.FloatTensor"
+            in inspect.getsource(
+                distrib_optimizer.DistributedOptimizer._build_model_and_main_param_groups
+            )
+        ),
+        "tied_embedding_cuda": lambda: (
+            ".cuda()"
+            in inspect.getsource(language_module.LanguageModule.setup_embeddings_and_output_layer)
+        ),
+        "te_general_gemm": lambda: (
+            not hasattr(moe_utils, "te_general_gemm")
+            and "te_general_gemm" in inspect.getsource(moe_utils.RouterGatingLinearFunction)
+        ),
+        "split_sizes_to_numpy": lambda: isinstance(
+            moe_utils.maybe_move_tensor_to_cpu(torch.tensor([1, 2]), as_numpy=True), torch.Tensor
+        ),
+        "uneven_all_gather": lambda: (
+            "torch.distributed.all_gather(output_tensor_list"
+            in inspect.getsource(mappings._gather_along_first_dim)
+        ),
+    }
+
+
+def norm_probe() -> bool:
+    """WrappedTorchNorm (local spec without apex) still rejects sequence parallel, which is why
+    the local spec uses compat.SequenceParallelTorchNorm."""
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    config = TransformerConfig(
+        num_layers=1,
+        hidden_size=8,
+        num_attention_heads=2,
+        normalization="RMSNorm",
+        sequence_parallel=True,
+        tensor_model_parallel_size=2,
+        use_cpu_initialization=True,
+    )
+    return _raises(lambda: WrappedTorchNorm(config, 8))
+
+
+def works_checks() -> dict:
+    """After apply_cpu_shims (needs torch.distributed initialised, world size 1)."""
+    import numpy as np
+    from megatron.core import tensor_parallel
+    from megatron.core.models.common.language_module.language_module import LanguageModule
+    from megatron.core.optimizer import clip_grads, distrib_optimizer
+    from megatron.core.pipeline_parallel import schedules
+    from megatron.core.tensor_parallel import random as tp_random
+    from megatron.core.transformer.moe import moe_utils, token_dispatcher
+
+    def rng() -> bool:
+        seed_before = torch.initial_seed()
+        state_before = torch.get_rng_state()
+        tensor_parallel.model_parallel_cuda_manual_seed(123)
+        with tensor_parallel.get_cuda_rng_tracker().fork():
+            pass
+        tp_random._set_cuda_rng_state(tp_random._get_cuda_rng_state())
+        # The CPU generator is neither reseeded nor advanced.
+        return torch.initial_seed() == seed_before and torch.equal(
+            state_before, torch.get_rng_state()
+        )
+
+    def clip() -> bool:
+        param = torch.nn.Parameter(torch.ones(4))
+        param.grad = torch.full((4,), 3.0)
+        norm = clip_grads.get_grad_norm_fp32([param.grad])
+        clip_grads.clip_grad_by_total_norm_fp32([param], max_norm=1.0, total_norm=norm)
+        return abs(norm - 6.0) < 1e-6 and torch.allclose(
+            param.grad, torch.full((4,), 0.5), atol=1e-6
+        )
+
+    return {
+        "current_device": lambda: torch.cuda.current_device() == torch.device("cpu"),
+        "cuda_allocations": lambda: schedules.torch.zeros([], device="cuda").device.type == "cpu",
+        "local_l2_norm": clip,
+        "cuda_rng": rng,
+        "synchronize_and_streams": lambda: (
+            torch.cuda.synchronize() is None
+            and torch.cuda.current_stream() == torch.cuda.Stream()
+            and token_dispatcher.torch.cuda.Stream is compat._CpuStream
+        ),
+        "tensor_type_names": lambda: (
+            getattr(clip_grads.clip_grad_by_total_norm_fp32, "_cpu_shim", False)
+            and getattr(
+                distrib_optimizer.DistributedOptimizer._build_model_and_main_param_groups,
+                "_cpu_shim",
+                False,
+            )
+            # Scoped: outside the shimmed functions CPU tensors keep their real type name.
+            and torch.zeros(1).type() == "torch.FloatTensor"
+        ),
+        "tied_embedding_cuda": lambda: (
+            getattr(LanguageModule.setup_embeddings_and_output_layer, "_cpu_shim", False)
+            and _raises(lambda: torch.zeros(1).cuda())
+        ),
+        "te_general_gemm": lambda: (
+            moe_utils.router_gating_linear(
+                torch.ones(3, 4), torch.ones(2, 4), None, torch.float32
+            ).shape
+            == (3, 2)
+        ),
+        "split_sizes_to_numpy": lambda: isinstance(
+            token_dispatcher.maybe_move_tensor_to_cpu(torch.tensor([1, 2]), as_numpy=True),
+            np.ndarray,
+        ),
+        "uneven_all_gather": lambda: getattr(
+            tensor_parallel.mappings._gather_along_first_dim, "_cpu_shim", False
+        ),
+    }
+
+
+def run(checks: dict) -> dict:
+    results = {}
+    for name, check in checks.items():
+        try:
+            results[name] = "ok" if check() else "returned False"
+        except Exception:
+            results[name] = traceback.format_exc(limit=3)
+    return results
+
+
+def main() -> None:
+    out: dict = {"registered": [shim.name for shim in compat.registered_shims()]}
+    out["need"] = run(need_probes())
+    out["need"]["sequence_parallel_norm"] = "ok" if norm_probe() else "returned False"
+
+    real_is_available = torch.cuda.is_available
+    real_current_device = torch.cuda.current_device
+    torch.cuda.is_available = lambda: True
+    try:
+        applied = compat.apply_cpu_shims()
+    finally:
+        torch.cuda.is_available = real_is_available
+    untouched = torch.cuda.current_device is real_current_device and not compat.cpu_shims_active()
+    out["gpu"] = {"nothing_patched": "ok" if not applied and untouched else "patched on GPU"}
+
+    from megatron_gspo.config import ParallelConfig
+    from megatron_gspo.engine.parallel import destroy_parallel, initialize_parallel
+
+    initialize_parallel(ParallelConfig(), seed=1)
+    assert compat.apply_cpu_shims() and compat.apply_cpu_shims()  # idempotent
+    out["works"] = run(works_checks())
+    destroy_parallel()
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

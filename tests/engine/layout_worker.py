@@ -1,0 +1,246 @@
+"""Worker for the layout-equivalence tests (run under torchrun, or alone for the reference).
+
+Reference mode (one process): for each case, seed-initialise the model, run one GSPO
+forward/backward and optimizer step on a fixed batch of variable-length samples, and save the
+full weights, gradients, metrics and log-probs by global name. It also checks that 1 and 4
+micro-batches give the same gradient.
+
+Layout mode (several processes): for each ``case:layout`` run the same step and compare with the
+reference; every rank writes what it measured (max errors per check) to ``--out``/rank{r}.json.
+
+Layouts are dot-separated: ``tp2.pp2.ep2.cp2.etp2.vpp2.distopt`` (data parallel is what is left).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+warnings.filterwarnings("ignore")
+
+from megatron_gspo.config import TrainConfig, from_dict  # noqa: E402
+from megatron_gspo.engine.parallel import destroy_parallel  # noqa: E402
+from megatron_gspo.engine.sharding import gather_full_state  # noqa: E402
+from megatron_gspo.engine.train_step import TrainEngine  # noqa: E402
+from megatron_gspo.samples import TrainSample  # noqa: E402
+
+VOCAB = 64
+MODELS = {
+    # Qwen3-MoE: QK-norm, renormalised top-2 of 8 experts, load-balancing loss on.
+    "moe": dict(
+        architecture="qwen3_moe",
+        num_layers=4,
+        num_experts=8,
+        moe_router_topk=2,
+        moe_aux_loss_coef=0.01,
+    ),
+    # Qwen2-MoE: q/k/v bias, gated shared expert, top-k without renormalisation, a dense first
+    # layer.
+    "qwen2": dict(
+        architecture="qwen2_moe",
+        num_layers=2,
+        num_experts=4,
+        moe_router_topk=2,
+        moe_renormalize_topk=False,
+        qk_layernorm=False,
+        add_qkv_bias=True,
+        shared_expert_intermediate_size=32,
+        first_k_dense_layers=1,
+    ),
+    # Dense Qwen3 with tied embeddings (a tied copy on the last stage under pp).
+    "dense": dict(architecture="qwen3", num_layers=2, tie_word_embeddings=True),
+}
+
+
+def make_config(case: str, layout: str, micro_batch_tokens: int) -> TrainConfig:
+    parallel: dict = {"micro_batch_tokens": micro_batch_tokens}
+    for part in filter(None, layout.split(".")):
+        if part == "distopt":
+            parallel["use_distributed_optimizer"] = True
+        elif part.startswith("dp"):
+            continue  # data parallel is what the world size leaves; named for readability
+        else:
+            name = part.rstrip("0123456789")
+            parallel[name] = int(part[len(name) :])
+    model = dict(vocab_size=VOCAB, hidden_size=64, head_dim=16, **MODELS[case])
+    return from_dict(
+        TrainConfig,
+        dict(
+            seed=7,
+            model=model,
+            parallel=parallel,
+            algo=dict(
+                rollout_batch_size=2,
+                num_return_sequences_in_group=4,
+                num_mini_batches=1,
+                clip_low=0.01,
+                clip_high=0.01,
+                response_length=12,
+                entropy_coef=0.01,
+            ),
+            optim=dict(lr=1e-3, clip_grad=1.0, adam_eps=1e-6),
+            rollout=dict(temperature=0.9),
+        ),
+    )
+
+
+def make_samples(seed: int = 0) -> list[TrainSample]:
+    """8 samples of different prompt and response lengths; one has masked tokens, one is fully
+    masked (no loss token), advantages are per sequence."""
+    generator = torch.Generator().manual_seed(seed)
+    samples = []
+    for index in range(8):
+        prompt = 2 + (index * 3) % 5
+        response = 3 + (index * 5) % 9
+        tokens = torch.randint(0, VOCAB, (prompt + response,), generator=generator)
+        mask = torch.ones(response, dtype=torch.bool)
+        if index == 2:
+            mask[1::2] = False
+        if index == 5:
+            mask[:] = False
+        old = -math.log(VOCAB) + 0.02 * torch.randn(response, generator=generator)
+        samples.append(
+            TrainSample(
+                tokens=tokens,
+                prompt_length=prompt,
+                group_id=index // 4,
+                advantages=torch.randn((), generator=generator),
+                loss_mask=mask,
+                old_log_probs=old,
+            )
+        )
+    return samples
+
+
+def run_case(case: str, layout: str, micro_batch_tokens: int) -> dict:
+    """One optimizer step; returns full tensors (this rank's parameters) and metrics."""
+    if dist.is_initialized():
+        destroy_parallel(destroy_process_group=False)
+    cfg = make_config(case, layout, micro_batch_tokens)
+    engine = TrainEngine(cfg)
+    samples = make_samples()
+    start = time.perf_counter()
+    weights0 = gather_full_state(engine.model)
+    metrics = engine.forward_backward(samples)
+    grads = gather_full_state(engine.model, grads=True)
+    metrics = engine.optimizer_step(metrics)
+    weights1 = gather_full_state(engine.model)
+    log_probs = engine.forward_log_probs(samples)
+    seconds = time.perf_counter() - start
+    return dict(
+        weights0=weights0,
+        grads=grads,
+        weights1=weights1,
+        metrics=metrics,
+        log_probs=log_probs,
+        seconds=seconds,
+    )
+
+
+def relative_error(value: torch.Tensor, reference: torch.Tensor) -> float:
+    scale = reference.double().norm().item()
+    error = (value.double() - reference.double()).norm().item()
+    return error / scale if scale > 1e-12 else error
+
+
+def compare(result: dict, reference: dict, *, distributed_optimizer: bool) -> dict:
+    """Max errors of this rank's tensors against the one-process reference. The distributed
+    optimizer reduce-scatters gradients (each rank keeps only its shard of ``main_grad``), so
+    there only the step's outcome (grad norm, new weights) is compared."""
+    report: dict = {"names": sorted(result["grads"]), "seconds": result["seconds"]}
+    report["weights0_max_abs"] = max(
+        (result["weights0"][n] - reference["weights0"][n]).abs().max().item()
+        for n in result["weights0"]
+    )
+    if not distributed_optimizer:
+        errors = {
+            n: relative_error(result["grads"][n], reference["grads"][n]) for n in result["grads"]
+        }
+        worst = max(errors, key=errors.get)
+        report["grad_max_rel"] = errors[worst]
+        report["grad_worst"] = worst
+    report["weights1_max_abs"] = max(
+        (result["weights1"][n] - reference["weights1"][n]).abs().max().item()
+        for n in result["weights1"]
+    )
+    report["log_probs_max_abs"] = max(
+        (a - b).abs().max().item() for a, b in zip(result["log_probs"], reference["log_probs"])
+    )
+    report["metrics"] = result["metrics"]
+    report["metric_rel"] = {
+        name: abs(value - reference["metrics"][name]) / max(abs(reference["metrics"][name]), 1e-8)
+        for name, value in result["metrics"].items()
+        if name not in ("padding_tokens", "tokens", "num_micro_batches")
+    }
+    return report
+
+
+# Token budget: every layout (dp x k = 2 micro-batches in all) groups the 8 samples the same way,
+# so the per-micro-batch MoE load-balancing loss is identical too.
+MICRO_BATCH_TOKENS = 60
+
+
+def reference_mode(cases: list[str], out: Path) -> None:
+    for case in cases:
+        result = run_case(case, "", MICRO_BATCH_TOKENS)
+        torch.save(result, out / f"reference_{case}.pt")
+    # 1 vs 4 micro-batches (load-balancing loss off: it is a per-micro-batch statistic).
+    invariance = {}
+    for case in cases:
+        grads = {}
+        for tokens in (10_000, 22):
+            if dist.is_initialized():
+                destroy_parallel(destroy_process_group=False)
+            cfg = make_config(case, "", tokens)
+            cfg.model.moe_aux_loss_coef = 0.0
+            engine = TrainEngine(cfg)
+            metrics = engine.forward_backward(make_samples())
+            grads[tokens] = (gather_full_state(engine.model, grads=True), metrics)
+        (one, m1), (many, m4) = grads[10_000], grads[22]
+        invariance[case] = dict(
+            micro_batches=[m1["num_micro_batches"], m4["num_micro_batches"]],
+            grad_max_rel=max(relative_error(many[n], one[n]) for n in one),
+            loss=[m1["loss"], m4["loss"]],
+        )
+    (out / "micro_batch_invariance.json").write_text(json.dumps(invariance, indent=1))
+
+
+def layout_mode(runs: list[str], out: Path) -> None:
+    rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", 0))
+    reports = {}
+    references: dict = {}
+    for run in runs:
+        case, layout = run.split(":")
+        if case not in references:
+            references[case] = torch.load(out / f"reference_{case}.pt", weights_only=False)
+        result = run_case(case, layout, MICRO_BATCH_TOKENS)
+        reports[run] = compare(result, references[case], distributed_optimizer="distopt" in layout)
+    (out / f"rank{rank}.json").write_text(json.dumps(reports, indent=1))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--reference", nargs="*", default=None, help="cases to compute")
+    parser.add_argument("--runs", nargs="*", default=[], help="case:layout to compare")
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    if args.reference is not None:
+        reference_mode(args.reference, args.out)
+    else:
+        layout_mode(args.runs, args.out)
+    if dist.is_initialized():
+        destroy_parallel()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

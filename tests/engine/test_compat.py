@@ -1,0 +1,107 @@
+"""The CPU shims: each is still needed upstream, none is applied on GPU, each works once applied.
+
+The checks run in a fresh process (``compat_worker.py``) because the shims change torch and
+megatron globals. That the layouts each shim enables really train is covered by
+``test_layouts.py``: dp/tp/pp/ep/cp and the distributed optimizer need shims 1-8; tp2+ep2+etp2
+exercises the uneven all-gather (15 uneven gathers per step); dense pp2 the tied embedding copy.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def report() -> dict:
+    env = dict(os.environ, PYTHONPATH=f"{REPO_ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    result = subprocess.run(
+        [sys.executable, str(Path(__file__).with_name("compat_worker.py"))],
+        cwd=REPO_ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-6000:]
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def test_every_shim_has_a_necessity_probe_and_a_check(report):
+    registered = set(report["registered"])
+    assert registered == set(report["works"])
+    assert registered <= set(report["need"])
+
+
+def test_shims_are_still_needed_upstream(report):
+    """Fails when a megatron-core upgrade fixed what a shim covers: then drop the shim."""
+    failures = {name: text for name, text in report["need"].items() if text != "ok"}
+    assert not failures, failures
+
+
+def test_nothing_is_patched_when_cuda_is_available(report):
+    assert report["gpu"] == {"nothing_patched": "ok"}
+
+
+def test_shims_work_on_cpu(report):
+    """Fails when an upstream change makes a shim ineffective."""
+    failures = {name: text for name, text in report["works"].items() if text != "ok"}
+    assert not failures, failures
+
+
+def test_transformer_config_per_architecture():
+    from megatron_gspo.config import ModelConfig, ParallelConfig
+    from megatron_gspo.engine.model import transformer_config
+
+    qwen3 = transformer_config(ModelConfig(), ParallelConfig(tp=2, ep=2, cp=2))
+    assert qwen3.qk_layernorm and not qwen3.add_qkv_bias
+    assert qwen3.moe_router_pre_softmax is False  # softmax over the top-k: renormalised
+    assert qwen3.sequence_parallel and qwen3.normalization == "RMSNorm"
+    assert qwen3.gated_linear_unit and qwen3.moe_shared_expert_intermediate_size is None
+    assert qwen3.moe_router_load_balancing_type == "none"
+    assert not qwen3.perform_initialization and qwen3.use_cpu_initialization
+    assert qwen3.context_parallel_size == 2 and qwen3.expert_model_parallel_size == 2
+
+    qwen2 = transformer_config(
+        ModelConfig(
+            architecture="qwen2_moe",
+            qk_layernorm=False,
+            add_qkv_bias=True,
+            moe_renormalize_topk=False,
+            shared_expert_intermediate_size=32,
+            first_k_dense_layers=1,
+            moe_aux_loss_coef=0.01,
+        ),
+        ParallelConfig(),
+    )
+    assert qwen2.moe_router_pre_softmax is True  # top-k of the full softmax, no renormalising
+    assert qwen2.moe_shared_expert_gate and qwen2.moe_shared_expert_intermediate_size == 32
+    assert qwen2.add_qkv_bias and not qwen2.qk_layernorm and not qwen2.sequence_parallel
+    assert qwen2.moe_layer_freq == [0, 1]
+    assert qwen2.moe_router_load_balancing_type == "aux_loss" and qwen2.moe_aux_loss_coeff == 0.01
+
+    mixtral = transformer_config(
+        ModelConfig(architecture="mixtral", qk_layernorm=False), ParallelConfig(pp=2, vpp=1)
+    )
+    assert not mixtral.qk_layernorm and mixtral.moe_router_pre_softmax is False
+    assert mixtral.variable_seq_lengths and mixtral.batch_p2p_comm
+
+    dense = transformer_config(ModelConfig(architecture="qwen3"), ParallelConfig(pp=2, vpp=2))
+    assert dense.num_moe_experts is None
+    # Virtual pipeline at pp=2: gloo pairs batched p2p messages wrongly (megatron-cpu.md).
+    assert not dense.batch_p2p_comm and dense.overlap_p2p_comm
+
+    replay = transformer_config(ModelConfig(), ParallelConfig(), moe_enable_routing_replay=True)
+    assert replay.moe_enable_routing_replay
+
+    with pytest.raises(ValueError, match="float32"):
+        transformer_config(ModelConfig(dtype="bfloat16"), ParallelConfig())
+    with pytest.raises(ValueError, match="alltoall"):
+        transformer_config(ModelConfig(), ParallelConfig(pp=2, moe_token_dispatcher="allgather"))

@@ -1,0 +1,55 @@
+"""Tiny models and engines shared by the rollout tests (hidden 32, 2 layers, vocab 96)."""
+
+from __future__ import annotations
+
+import pytest
+
+from megatron_gspo.config import ModelConfig
+
+
+def tiny_model_config(architecture: str = "qwen3_moe", **overrides) -> ModelConfig:
+    """A 2-layer model; Qwen3-MoE gets a dense first layer so dense-layer skipping is exercised.
+
+    ``init_std=0.2`` makes the random logits peaked enough (|logit| ~ 5) that samples are not
+    uniform noise, yet keeps fp32 within ~3e-6 of fp64 (at 0.5 activations grow until fp32 is
+    off by 1e-4).
+    """
+    fields = dict(
+        architecture=architecture,
+        vocab_size=96,
+        hidden_size=32,
+        num_layers=2,
+        num_attention_heads=4,
+        num_query_groups=2,
+        head_dim=8,
+        ffn_hidden_size=48,
+        num_experts=4,
+        moe_ffn_hidden_size=24,
+        moe_router_topk=2,
+        max_position_embeddings=256,
+        init_std=0.2,
+    )
+    if architecture == "qwen3_moe":
+        fields["first_k_dense_layers"] = 1
+    if architecture in ("mixtral", "qwen2_moe"):
+        fields["qk_layernorm"] = False
+    if architecture == "qwen2_moe":
+        fields.update(
+            shared_expert_intermediate_size=40, add_qkv_bias=True, moe_renormalize_topk=False
+        )
+    fields.update(overrides)
+    return ModelConfig(**fields)
+
+
+@pytest.fixture
+def model_config() -> ModelConfig:
+    return tiny_model_config()
+
+
+@pytest.fixture
+def engine(model_config):
+    from megatron_gspo.rollout.embedded import EmbeddedEngine
+
+    engine = EmbeddedEngine(model_config, seed=1)
+    yield engine
+    engine.close()

@@ -1,0 +1,252 @@
+"""The embedded engine against full transformers forwards (no KV cache, no padding, float64)."""
+
+from __future__ import annotations
+
+import copy
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from megatron_gspo.rollout.embedded import EmbeddedEngine
+from megatron_gspo.rollout.types import GenerateRequest, RolloutEngineError, derive_seed
+from tests.rollout.conftest import tiny_model_config
+
+ARCHITECTURES = ("qwen3_moe", "mixtral", "qwen2_moe", "qwen3")
+
+
+def _requests(count: int = 4, **fields) -> list[GenerateRequest]:
+    """Prompts of different lengths (2..count+1 tokens) so that batches are left-padded."""
+    defaults = dict(max_new_tokens=6, temperature=0.7)
+    defaults.update(fields)
+    return [
+        GenerateRequest(
+            input_ids=[(7 * i + j) % 90 + 1 for j in range(i + 2)], seed=100 + i, **defaults
+        )
+        for i in range(count)
+    ]
+
+
+def _wait_until_running(engine, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while engine.num_running == 0:
+        assert time.monotonic() < deadline, "generate() never started"
+        time.sleep(0.005)
+
+
+def _tokens(request, result) -> list[int]:
+    return list(request.input_ids) + result.output_ids
+
+
+def _reference_log_probs(hf_model, request, result, temperature: float) -> np.ndarray:
+    """``log_softmax(logits / T)`` of the generated tokens from one float64 forward."""
+    model64 = copy.deepcopy(hf_model).double()
+    if hasattr(model64.model.layers[-1].mlp, "experts"):
+        # torch's grouped_mm has no float64 kernel; the per-expert loop is also an independent
+        # code path from the engine's grouped_mm.
+        model64.set_experts_implementation("eager")
+    tokens = torch.tensor([_tokens(request, result)])
+    with torch.no_grad():
+        logits = model64(input_ids=tokens).logits[0]
+    scale = temperature if temperature > 0 else 1.0
+    log_probs = torch.log_softmax(logits / scale, dim=-1)
+    start = result.prompt_length - 1
+    positions = torch.arange(start, start + result.response_length)
+    return log_probs[positions, torch.tensor(result.output_ids)].numpy()
+
+
+@pytest.mark.parametrize("architecture", ARCHITECTURES)
+def test_log_probs_match_full_forward(architecture):
+    engine = EmbeddedEngine(tiny_model_config(architecture), seed=3)
+    requests = _requests(top_p=0.9, top_k=20)
+    for request, result in zip(requests, engine.generate(requests)):
+        assert result.output_log_probs.dtype == np.float32
+        reference = _reference_log_probs(engine.hf_model, request, result, temperature=0.7)
+        np.testing.assert_allclose(result.output_log_probs, reference, atol=1e-5, rtol=0)
+
+
+def test_greedy_is_argmax_and_reports_temperature_one_log_probs(engine):
+    requests = _requests(temperature=0.0)
+    for request, result in zip(requests, engine.generate(requests)):
+        tokens = _tokens(request, result)
+        with torch.no_grad():
+            logits = engine.hf_model(input_ids=torch.tensor([tokens])).logits[0].double()
+        positions = torch.arange(result.prompt_length - 1, len(tokens) - 1)
+        assert result.output_ids == logits[positions].argmax(-1).tolist()
+        reference = _reference_log_probs(engine.hf_model, request, result, temperature=0.0)
+        np.testing.assert_allclose(result.output_log_probs, reference, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("architecture", ["qwen3_moe", "mixtral", "qwen2_moe"])
+def test_routes_are_top_k_of_recomputed_router_logits(architecture):
+    config = tiny_model_config(architecture)
+    engine = EmbeddedEngine(config, seed=5)
+    requests = _requests(return_routed_experts=True)
+    num_moe_layers = len(config.moe_layer_indices)
+    for request, result in zip(requests, engine.generate(requests)):
+        tokens = _tokens(request, result)
+        assert result.routed_experts.shape == (len(tokens) - 1, num_moe_layers, 2)
+        assert result.routed_experts.dtype == np.uint8
+        with torch.no_grad():
+            # The last generated token is never run forward by the engine.
+            output = engine.hf_model(
+                input_ids=torch.tensor([tokens[:-1]]), output_router_logits=True
+            )
+        assert len(output.router_logits) == num_moe_layers
+        for layer, router_logits in enumerate(output.router_logits):
+            expected = router_logits.softmax(-1).topk(2, dim=-1).indices.numpy()
+            np.testing.assert_array_equal(result.routed_experts[:, layer, :], expected)
+
+
+def test_stop_token_and_length(engine):
+    request = _requests(1, max_new_tokens=40, temperature=1.0)[0]
+    free_run = engine.generate([request])[0]
+    assert free_run.finish_reason == "length" and free_run.response_length == 40
+    stop = free_run.output_ids[5]
+    first = free_run.output_ids.index(stop)
+    stopped = engine.generate([GenerateRequest(**{**request.__dict__, "stop_token_ids": [stop]})])[
+        0
+    ]
+    assert stopped.finish_reason == "stop" and stopped.matched_stop_token == stop
+    assert stopped.output_ids == free_run.output_ids[: first + 1]
+
+
+def test_seeded_samples_do_not_depend_on_the_batch(engine):
+    requests = _requests(6, temperature=1.0, top_k=30)
+    batched = engine.generate(requests)
+    alone = [engine.generate([request])[0] for request in requests]
+    reversed_batch = engine.generate(requests[::-1])[::-1]
+    for one, together, backwards in zip(alone, batched, reversed_batch):
+        assert one.output_ids == together.output_ids == backwards.output_ids
+        # Padding changes reduction lengths: equal up to float32 rounding.
+        np.testing.assert_allclose(one.output_log_probs, together.output_log_probs, atol=1e-5)
+    other_seed = engine.generate([GenerateRequest(**{**requests[0].__dict__, "seed": 999})])[0]
+    assert other_seed.output_ids != alone[0].output_ids
+
+
+def test_n_samples_are_prompt_major_with_derived_seeds(engine):
+    requests = _requests(2, temperature=1.0)
+    results = engine.generate(requests, n=3)
+    assert [r.request_id for r in results] == [
+        f"{request.request_id}/{index}" for request in requests for index in range(3)
+    ]
+    for position, result in enumerate(results):
+        request = requests[position // 3]
+        seed = derive_seed(request.seed, position % 3)
+        single = engine.generate([GenerateRequest(**{**request.__dict__, "seed": seed})])[0]
+        assert single.output_ids == result.output_ids
+    assert len({tuple(r.output_ids) for r in results[:3]}) > 1
+
+
+def test_abort_returns_partial_tokens(engine):
+    request = GenerateRequest(input_ids=[1, 2, 3], max_new_tokens=200, return_routed_experts=True)
+    outcome = {}
+    worker = threading.Thread(target=lambda: outcome.update(result=engine.generate([request])[0]))
+    worker.start()
+    _wait_until_running(engine)
+    time.sleep(0.05)
+    engine.abort([request.request_id])
+    worker.join(timeout=30)
+    result = outcome["result"]
+    assert result.finish_reason == "abort" and result.abort_message
+    assert 0 < result.response_length < 200
+    assert result.routed_experts.shape[0] == 3 + result.response_length - 1
+    assert len(result.output_log_probs) == result.response_length
+
+
+def test_pause_abort_then_generate_waits_for_resume(engine):
+    engine.pause("abort")
+    engine.flush_cache()
+    outcome = {}
+    worker = threading.Thread(target=lambda: outcome.update(result=engine.generate(_requests(1))))
+    worker.start()
+    time.sleep(0.1)
+    assert "result" not in outcome, "generate must wait while paused"
+    engine.resume()
+    worker.join(timeout=30)
+    assert outcome["result"][0].finish_reason == "length"
+
+
+def test_in_place_pause_freezes_generation_and_sync_lands_between_steps(model_config):
+    engine = EmbeddedEngine(model_config, seed=1)
+    donor = EmbeddedEngine(model_config, seed=2)
+    request = GenerateRequest(input_ids=[1, 2], max_new_tokens=250)
+    outcome = {}
+    worker = threading.Thread(target=lambda: outcome.update(result=engine.generate([request])[0]))
+    worker.start()
+    _wait_until_running(engine)
+    time.sleep(0.02)
+    engine.pause("in_place")
+    time.sleep(0.2)
+    assert "result" not in outcome and engine.num_running == 1, "generation must be frozen"
+    engine.flush_cache()  # frozen requests do not block a flush
+    engine.sync_weights(donor.hf_state(), version=3)
+    engine.resume()
+    worker.join(timeout=30)
+    result = outcome["result"]
+    assert result.finish_reason == "length" and result.response_length == 250
+    # Tokens came from both policies: the result is attributed to the oldest.
+    assert result.weight_version == 0 and engine.weight_version == 3
+
+
+def test_flush_refused_while_generating(engine):
+    worker = threading.Thread(
+        target=lambda: engine.generate([GenerateRequest(input_ids=[1], max_new_tokens=200)])
+    )
+    worker.start()
+    _wait_until_running(engine)
+    with pytest.raises(RolloutEngineError, match="pause"):
+        engine.flush_cache()
+    engine.abort()
+    worker.join(timeout=30)
+    engine.flush_cache()
+
+
+def test_sync_weights_changes_outputs_and_version(model_config):
+    engine = EmbeddedEngine(model_config, seed=1)
+    donor = EmbeddedEngine(model_config, seed=2)
+    requests = _requests()
+    before = engine.generate(requests)
+    stats = engine.sync_weights(donor.hf_state(), version=1)
+    assert stats.weight_version == 1 and stats.num_tensors == len(list(donor.hf_state()))
+    after = engine.generate(requests)
+    expected = donor.generate(requests)
+    assert [r.output_ids for r in after] == [r.output_ids for r in expected]
+    assert [r.output_ids for r in after] != [r.output_ids for r in before]
+    assert {r.weight_version for r in after} == {1}
+    with pytest.raises(ValueError, match="older"):
+        engine.sync_weights(donor.hf_state(), version=0)
+
+
+def test_invalid_requests_are_refused_before_any_work(engine):
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        engine.generate([GenerateRequest(input_ids=[1, 500], max_new_tokens=2)])
+    with pytest.raises(ValueError, match="max_position_embeddings"):
+        engine.generate([GenerateRequest(input_ids=[1] * 256, max_new_tokens=2)])
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        GenerateRequest(input_ids=[1], max_new_tokens=0)
+    with pytest.raises(ValueError, match="top_p"):
+        GenerateRequest(input_ids=[1], max_new_tokens=1, top_p=0.0)
+    dense = EmbeddedEngine(tiny_model_config("qwen3"), seed=0)
+    with pytest.raises(ValueError, match="dense"):
+        dense.generate(
+            [GenerateRequest(input_ids=[1], max_new_tokens=1, return_routed_experts=True)]
+        )
+
+
+def test_generation_stops_at_max_position_embeddings():
+    engine = EmbeddedEngine(tiny_model_config(max_position_embeddings=12), seed=0)
+    result = engine.generate([GenerateRequest(input_ids=[1] * 10, max_new_tokens=50)])[0]
+    assert result.finish_reason == "length" and result.response_length == 2
+
+
+def test_health_and_info(engine):
+    assert engine.health()
+    info = engine.info()
+    assert info["engine"] == "embedded" and info["moe_layer_indices"] == [1]
+    engine.close()
+    assert not engine.health()
+    with pytest.raises(RolloutEngineError, match="close"):
+        engine.generate(_requests(1))

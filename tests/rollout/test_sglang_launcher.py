@@ -1,0 +1,114 @@
+"""SGLang launch commands (pure), and the process wrapper on a real child server.
+
+A real SGLang server needs a GPU; the process wrapper is exercised with the embedded server's
+command-line entry point, which answers /health_generate the same way.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import sys
+
+import pytest
+
+from megatron_gspo.config import RolloutConfig
+from megatron_gspo.rollout.sglang_client import SGLangEngine
+from megatron_gspo.rollout.sglang_launcher import (
+    SGLangServerProcess,
+    build_launch_command,
+    launch_command_from_config,
+)
+from megatron_gspo.rollout.sglang_protocol import RouteLayout
+from megatron_gspo.rollout.types import GenerateRequest, RolloutEngineError
+from tests.rollout.conftest import tiny_model_config
+
+
+def _flag(command: list[str], name: str) -> str:
+    return command[command.index(name) + 1]
+
+
+def test_command_has_the_managed_flags():
+    command = build_launch_command(
+        "/models/qwen3-30b-a3b",
+        port=30001,
+        tp_size=8,
+        ep_size=8,
+        mem_fraction_static=0.7,
+        enable_return_routed_experts=True,
+        extra_args=["--moe-a2a-backend", "deepep", "--attn-dp-size=8"],
+        python_executable="/usr/bin/python3",
+    )
+    assert command[:3] == ["/usr/bin/python3", "-m", "sglang.launch_server"]
+    assert _flag(command, "--model-path") == "/models/qwen3-30b-a3b"
+    assert _flag(command, "--host") == "127.0.0.1" and _flag(command, "--port") == "30001"
+    assert _flag(command, "--tp-size") == "8" and _flag(command, "--ep-size") == "8"
+    assert _flag(command, "--mem-fraction-static") == "0.7"
+    assert _flag(command, "--weight-version") == "0"
+    assert "--skip-tokenizer-init" in command and "--enable-return-routed-experts" in command
+    assert command[-3:] == ["--moe-a2a-backend", "deepep", "--attn-dp-size=8"]
+
+
+def test_routed_experts_flag_only_for_r3():
+    command = build_launch_command("/m", port=1)
+    assert "--enable-return-routed-experts" not in command
+    assert "--mem-fraction-static" not in command and "--base-gpu-id" not in command
+
+
+@pytest.mark.parametrize(
+    "extra", [["--tp-size", "4"], ["--port=9"], ["--enable-return-routed-experts"]]
+)
+def test_extra_args_may_not_override_managed_flags(extra):
+    with pytest.raises(ValueError, match="duplicates a managed flag"):
+        build_launch_command("/m", port=1, extra_args=extra)
+
+
+def test_invalid_sizes():
+    with pytest.raises(ValueError, match="ep_size must divide tp_size"):
+        build_launch_command("/m", port=1, tp_size=4, ep_size=3)
+    with pytest.raises(ValueError, match="mem_fraction_static"):
+        build_launch_command("/m", port=1, mem_fraction_static=1.5)
+
+
+def test_command_from_rollout_config():
+    rollout = RolloutConfig(
+        engine="sglang", sglang_port=31000, sglang_tp=2, sglang_ep=2, sglang_extra_args=["--x"]
+    )
+    command = launch_command_from_config(
+        rollout, "/m", enable_return_routed_experts=True, server_index=1
+    )
+    assert _flag(command, "--port") == "31001" and _flag(command, "--base-gpu-id") == "2"
+    assert _flag(command, "--tp-size") == "2" and command[-1] == "--x"
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def test_server_that_dies_reports_its_log_tail(tmp_path):
+    command = [sys.executable, "-c", "import sys; print('CUDA out of memory'); sys.exit(3)"]
+    command += ["--host", "127.0.0.1", "--port", str(_free_port())]
+    server = SGLangServerProcess(command, str(tmp_path / "server.log")).start()
+    with pytest.raises(RolloutEngineError, match="exited with code 3(.|\n)*CUDA out of memory"):
+        server.wait_until_healthy(deadline_s=30, poll_s=0.1)
+
+
+def test_child_server_becomes_healthy_and_serves(tmp_path):
+    config = tiny_model_config()
+    fields = {k: v for k, v in vars(config).items()}
+    port = _free_port()
+    command = [sys.executable, "-m", "megatron_gspo.rollout.server", "--host", "127.0.0.1"]
+    command += ["--port", str(port), "--model-config", json.dumps(fields)]
+    server = SGLangServerProcess(command, str(tmp_path / "server.log")).start()
+    try:
+        server.wait_until_healthy(deadline_s=120, poll_s=0.2)
+        client = SGLangEngine([server.url], RouteLayout.from_model_config(config))
+        (result,) = client.generate(
+            [GenerateRequest(input_ids=[1, 2], max_new_tokens=3, return_routed_experts=True)]
+        )
+        assert result.response_length == 3 and result.routed_experts.shape == (4, 1, 2)
+    finally:
+        server.stop()
+    assert server.process.poll() is not None
