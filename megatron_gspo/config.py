@@ -362,6 +362,14 @@ class AlgoConfig:
     routing_replay: str = "none"
     """MoE Routing Replay: none, r2 (replay the routes recorded in the old-log-prob forward),
     r3 (replay the rollout engine's routes in the old-log-prob and training forwards)."""
+    log_routing_change: bool = True
+    """MoE: measure expert volatility on every mini-batch, ``routing_change_frac`` (share of
+    (loss token, MoE layer) pairs whose top-k set under the weights being trained differs from
+    the old policy's, also per layer) and ``routing_change_frac_vs_rollout`` (against the rollout
+    engine's routes, when samples carry them). Costs one top-k per MoE layer in the training
+    forward; the old policy's routes are recorded in the recompute forward (M x K bytes per token
+    on CPU, gathered on every rank). Without that forward (old_log_prob_source rollout or detach)
+    only the comparison with the rollout's routes is available."""
     log_ratio_clamp: float = 10.0
     """|log ratio| is clamped to this before exp (sequence and token ratios), as verl does."""
 
@@ -570,6 +578,13 @@ class RolloutConfig:
     """Sampling temperature; training log-probs are computed at the same temperature."""
     top_p: float = 1.0
     top_k: int = -1
+    min_new_tokens: int = 0
+    """Stop tokens (the tokenizer's EOS included) cannot be sampled before a response has this
+    many tokens (SGLang's ``min_new_tokens``); at ``>= algo.response_length`` every response is
+    exactly ``response_length`` tokens long (fixed-length benchmarks, ``benchmarks/vs_trl.py``).
+    The embedded engine masks them for sampling only and still reports the log-probs of the
+    unmasked distribution, which is what the trainer computes (so ``old_log_prob_source=rollout``
+    stays consistent)."""
     seed: Optional[int] = None
     """Sampling seed; null derives it from the run seed and step."""
     sglang_urls: list[str] = field(default_factory=list)
@@ -628,6 +643,7 @@ class RolloutConfig:
                 "semantics) but samples come from the truncated distribution, which biases the "
                 "importance ratio",
             )
+        _check_positive("rollout.min_new_tokens", self.min_new_tokens, allow_zero=True)
         _check_positive("rollout.weight_bucket_mb", self.weight_bucket_mb)
         _check_positive("rollout.request_timeout_s", self.request_timeout_s)
         _check_positive("rollout.max_retries", self.max_retries, allow_zero=True)
@@ -790,6 +806,10 @@ class TrainConfig:
     seed: int = 1234
     resume: bool = False
     """Continue from the latest complete checkpoint in output_dir/checkpoints."""
+    sft_warmup_steps: int = 0
+    """Supervised cold start before RL: this many optimizer steps of maximum likelihood on the
+    data's reference answers (rollout_batch_size prompts each). The GSPO paper also starts RL from
+    a cold-start fine-tuned model (section 5.1). Needs answers in the data."""
     model: ModelConfig = field(default_factory=ModelConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     algo: AlgoConfig = field(default_factory=AlgoConfig)
@@ -803,6 +823,7 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         _check_positive("steps", self.steps)
+        _check_positive("sft_warmup_steps", self.sft_warmup_steps, allow_zero=True)
         algo, parallel, model = self.algo, self.parallel, self.model
         if algo.samples_per_step % algo.num_mini_batches:
             raise ConfigError(

@@ -1,0 +1,84 @@
+"""Entry point: ``python -m megatron_gspo.train [--preset NAME|PATH] [key=value ...]``.
+
+With no arguments it runs the CPU demo (a tiny MoE learning digit reversal with GSPO). Under
+``torchrun --nproc_per_node N`` it uses the configured layout (``parallel.tp=2 parallel.ep=2``).
+Overrides use Hydra's grammar; the schema is :class:`megatron_gspo.config.TrainConfig`.
+
+Examples::
+
+    python -m megatron_gspo.train                                   # CPU demo
+    python -m megatron_gspo.train steps=20 algo.importance_sampling=token \\
+        algo.clip_low=0.2 algo.clip_high=0.27                       # GRPO baseline
+    torchrun --nproc_per_node 4 -m megatron_gspo.train parallel.tp=2 parallel.ep=2
+    python -m megatron_gspo.train --preset roll_gspo model.hf_path=/models/Qwen3-30B-A3B
+    python -m megatron_gspo.train --cfg                             # print the resolved config
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+import yaml
+
+from megatron_gspo.config import ConfigError, to_dict
+from megatron_gspo.config_loader import load_config, overrides_from_env
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m megatron_gspo.train",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument(
+        "--preset",
+        "--config-name",
+        "-cn",
+        dest="preset",
+        default=None,
+        help="preset name from examples/moe/ (e.g. roll_gspo) or a YAML path",
+    )
+    parser.add_argument(
+        "--cfg", action="store_true", help="print the resolved configuration as YAML and exit"
+    )
+    parser.add_argument(
+        "overrides", nargs="*", help="Hydra overrides, e.g. algo.clip_low=3e-4 parallel.tp=2"
+    )
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    rank = int(os.environ.get("RANK", "0"))
+    logging.basicConfig(
+        level=logging.INFO if rank == 0 else logging.WARNING,
+        format=f"[rank{rank}] %(asctime)s %(levelname)s %(name)s: %(message)s",
+        datefmt="%H:%M:%S",
+    )
+    try:
+        config = load_config(args.preset, overrides_from_env() + list(args.overrides))
+    except ConfigError as error:
+        print(error, file=sys.stderr)
+        return 2
+    if args.cfg:
+        print(yaml.safe_dump(to_dict(config), sort_keys=False))
+        return 0
+    logging.getLogger().setLevel(config.logging.log_level if rank == 0 else logging.WARNING)
+
+    from megatron_gspo.loop import run
+
+    try:
+        run(config)
+    except ConfigError as error:
+        # What only the runtime can check (world size vs layout, tokenizer vs vocab size, a
+        # checkpoint's shapes) is still a configuration error: same message, same exit code.
+        print(f"[rank{rank}] {error}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

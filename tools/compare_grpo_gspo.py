@@ -1,0 +1,307 @@
+#!/usr/bin/env python
+"""Compare GSPO with GRPO (with and without Routing Replay) on one task, seed, data and model.
+
+Each variant is a normal training run (``python -m megatron_gspo.train``, or under the launcher you
+give, e.g. torchrun on many nodes) with the same preset and overrides, plus the variant's own:
+
+  gspo        importance_sampling=seq        clip 3e-4 / 4e-4 (GSPO paper, section 5.1)
+  gspo_token  importance_sampling=seq_token  clip 3e-4 / 4e-4 (GSPO-token: same value and gradient
+                                             as gspo with one advantage per sequence)
+  grpo        importance_sampling=token      clip 0.2 / 0.27 (the paper's GRPO baseline)
+  grpo_r2     grpo + routing_replay=r2       replay the routes recorded in the old-log-prob forward
+  grpo_r3     grpo + routing_replay=r3       replay the rollout engine's routes
+
+All variants recompute old log-probs (so R2 is possible and the trainer-vs-rollout gap is
+measured) and default to 4 mini-batches per rollout batch (the paper's setting; an update is only
+off-policy, and GSPO only differs from GRPO, with several optimizer steps per rollout batch).
+
+Writes to --out: one run directory per variant, summary.json, summary.md and PNG plots (reward,
+clip fraction on a log scale, routing change, trainer-vs-rollout log-prob gap).
+
+Examples:
+  python tools/compare_grpo_gspo.py --quick --out compare/
+  python tools/compare_grpo_gspo.py --out compare/ --steps 100 -- model.hf_path=/models/Qwen3-30B-A3B
+  python tools/compare_grpo_gspo.py --preset qwen3_30b_a3b_gspo_4node --out /shared/compare \\
+      --launcher "torchrun --nnodes 4 --node_rank $NODE_RANK --nproc_per_node 8 \\
+                  --rdzv_backend c10d --rdzv_endpoint $MASTER_ADDR:29500"
+    (run the same command on every node; the summary is written where the metrics are)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import shlex
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+VARIANTS: dict[str, list[str]] = {
+    "gspo": ["algo.importance_sampling=seq", "algo.clip_low=3e-4", "algo.clip_high=4e-4"],
+    "gspo_token": [
+        "algo.importance_sampling=seq_token",
+        "algo.clip_low=3e-4",
+        "algo.clip_high=4e-4",
+    ],
+    "grpo": ["algo.importance_sampling=token", "algo.clip_low=0.2", "algo.clip_high=0.27"],
+    "grpo_r2": [
+        "algo.importance_sampling=token",
+        "algo.clip_low=0.2",
+        "algo.clip_high=0.27",
+        "algo.routing_replay=r2",
+    ],
+    "grpo_r3": [
+        "algo.importance_sampling=token",
+        "algo.clip_low=0.2",
+        "algo.clip_high=0.27",
+        "algo.routing_replay=r3",
+    ],
+}
+COMMON = ["algo.old_log_prob_source=recompute", "logging.progress_bar=false"]
+QUICK = [
+    "steps=6",
+    "algo.rollout_batch_size=4",
+    "algo.num_return_sequences_in_group=4",
+    "algo.num_mini_batches=4",
+    "algo.response_length=12",
+    "model.vocab_size=16",
+]
+# A grad-norm spike: a step whose grad norm exceeds this multiple of the run's median.
+SPIKE_FACTOR = 5.0
+# Metrics averaged over the run for the summary (missing ones are reported as null).
+MEAN_METRICS = (
+    "clip_frac_token",
+    "clip_frac_seq",
+    "routing_change_frac",
+    "routing_change_frac_vs_rollout",
+    "kl",
+    "rollout_kl_k3",
+    "rollout_log_prob_abs_diff",
+)
+
+
+def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
+    parser = argparse.ArgumentParser(
+        prog="tools/compare_grpo_gspo.py",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--out", required=True, help="output directory (created)")
+    parser.add_argument(
+        "--variants",
+        default=",".join(VARIANTS),
+        help=f"comma-separated subset of {', '.join(VARIANTS)} (default: all)",
+    )
+    parser.add_argument("--preset", default=None, help="preset name or YAML path for every run")
+    parser.add_argument("--steps", type=int, default=None, help="RL steps per variant")
+    parser.add_argument("--seed", type=int, default=None, help="seed shared by every variant")
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="a few minutes on CPU: 6 steps of the tiny demo with 4 prompts x 4 samples",
+    )
+    parser.add_argument(
+        "--launcher",
+        default="",
+        help="command prefix that starts a run, e.g. 'torchrun --nproc_per_node 8' "
+        "(default: the current Python)",
+    )
+    parser.add_argument(
+        "--skip-existing",
+        action="store_true",
+        help="reuse a variant's metrics.jsonl if its run already finished",
+    )
+    parser.add_argument(
+        "--summarize-only", action="store_true", help="only (re)write the summary and plots"
+    )
+    if "--" in argv:
+        split = argv.index("--")
+        return parser.parse_args(argv[:split]), argv[split + 1 :]
+    return parser.parse_args(argv), []
+
+
+def run_command(args: argparse.Namespace, variant: str, overrides: list[str]) -> list[str]:
+    launcher = shlex.split(args.launcher) if args.launcher else [sys.executable]
+    command = launcher + ["-m", "megatron_gspo.train"]
+    if args.preset:
+        command += ["--preset", args.preset]
+    run_overrides = list(COMMON)
+    if args.quick:
+        run_overrides += QUICK
+    if args.steps is not None:
+        run_overrides.append(f"steps={args.steps}")
+    if args.seed is not None:
+        run_overrides.append(f"seed={args.seed}")
+    run_overrides += overrides  # the user's overrides apply to every variant ...
+    run_overrides += VARIANTS[variant]  # ... and the variant's own come last
+    run_overrides.append(f"output_dir={Path(args.out) / variant}")
+    return command + run_overrides
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    path = run_dir / "metrics.jsonl"
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def _number(value) -> float | None:
+    if isinstance(value, (int, float)) and math.isfinite(value):
+        return float(value)
+    return None
+
+
+def summarize_variant(records: list[dict], wall_time_s: float | None, exit_code: int | None):
+    def series(name: str) -> list[float]:
+        return [v for v in (_number(r.get(name)) for r in records) if v is not None]
+
+    rewards = series("reward_mean")
+    tail = rewards[-max(1, len(rewards) // 10) :] if rewards else []
+    grad_norms = series("grad_norm_max") or series("grad_norm")
+    median_norm = statistics.median(grad_norms) if grad_norms else None
+    summary = {
+        "steps": len(records),
+        "exit_code": exit_code,
+        "final_reward": statistics.fmean(tail) if tail else None,
+        "best_reward": max(rewards) if rewards else None,
+        "first_reward": rewards[0] if rewards else None,
+        "grad_norm_spikes": sum(n > SPIKE_FACTOR * median_norm for n in grad_norms)
+        if median_norm
+        else 0,
+        "non_finite_steps": int(max(series("skipped_total"), default=0.0)),
+        "wall_time_s": wall_time_s,
+    }
+    for name in MEAN_METRICS:
+        values = series(name)
+        summary[f"mean_{name}"] = statistics.fmean(values) if values else None
+    return summary
+
+
+def write_markdown(summary: dict, path: Path) -> None:
+    columns = [
+        ("final_reward", "final reward"),
+        ("best_reward", "best reward"),
+        ("mean_clip_frac_token", "clip frac (tokens)"),
+        ("mean_clip_frac_seq", "clip frac (seqs)"),
+        ("mean_routing_change_frac", "routing change"),
+        ("mean_rollout_kl_k3", "train-rollout KL"),
+        ("mean_kl", "KL"),
+        ("grad_norm_spikes", "grad-norm spikes"),
+        ("non_finite_steps", "non-finite steps"),
+        ("wall_time_s", "wall time (s)"),
+    ]
+    lines = [
+        "| variant | " + " | ".join(title for _, title in columns) + " |",
+        "|---|" + "---:|" * len(columns),
+    ]
+    for variant, values in summary["variants"].items():
+        cells = []
+        for key, _ in columns:
+            value = values.get(key)
+            if value is None:
+                cells.append("n/a")
+            elif isinstance(value, float):
+                cells.append(f"{value:.4g}")
+            else:
+                cells.append(str(value))
+        lines.append(f"| {variant} | " + " | ".join(cells) + " |")
+    ratio = summary.get("clip_frac_token_ratio_gspo_over_grpo")
+    if ratio is not None:
+        lines.append("")
+        lines.append(
+            f"GSPO clips {ratio:.3g}x the token fraction GRPO clips (the GSPO paper reports "
+            "about two orders of magnitude more)."
+        )
+    path.write_text("\n".join(lines) + "\n")
+
+
+def plot(runs: dict[str, list[dict]], out: Path) -> list[str]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = [
+        ("reward_mean", "mean reward", "reward.png", False),
+        ("clip_frac_token", "clipped token fraction", "clip_fraction.png", True),
+        ("routing_change_frac", "routing change fraction", "routing_change.png", False),
+        ("rollout_kl_k3", "trainer vs rollout k3 KL", "logprob_gap.png", True),
+    ]
+    written = []
+    for key, title, filename, log_scale in panels:
+        figure, axis = plt.subplots(figsize=(6, 4))
+        drawn = False
+        for variant, records in runs.items():
+            points = [(r["step"], _number(r.get(key))) for r in records]
+            points = [(s, v) for s, v in points if v is not None and (v > 0 or not log_scale)]
+            if points:
+                axis.plot(*zip(*points), label=variant, marker=".")
+                drawn = True
+        if not drawn:
+            axis.text(0.5, 0.5, f"no {key} logged", ha="center", transform=axis.transAxes)
+        if log_scale and drawn:
+            axis.set_yscale("log")
+        axis.set_xlabel("step")
+        axis.set_ylabel(title)
+        axis.set_title(title)
+        if drawn:
+            axis.legend()
+        figure.tight_layout()
+        figure.savefig(out / filename, dpi=110)
+        plt.close(figure)
+        written.append(filename)
+    return written
+
+
+def summarize(out: Path, variants: list[str], timing: dict[str, tuple]) -> dict:
+    runs = {variant: read_metrics(out / variant) for variant in variants}
+    summary = {"variants": {}}
+    for variant in variants:
+        wall, code = timing.get(variant, (None, None))
+        summary["variants"][variant] = summarize_variant(runs[variant], wall, code)
+    gspo = summary["variants"].get("gspo", {}).get("mean_clip_frac_token")
+    grpo = summary["variants"].get("grpo", {}).get("mean_clip_frac_token")
+    summary["clip_frac_token_ratio_gspo_over_grpo"] = (
+        gspo / grpo if gspo is not None and grpo else None
+    )
+    summary["plots"] = plot(runs, out)
+    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    write_markdown(summary, out / "summary.md")
+    return summary
+
+
+def main(argv: list[str] | None = None) -> int:
+    args, overrides = parse_args(sys.argv[1:] if argv is None else argv)
+    variants = [v.strip() for v in args.variants.split(",") if v.strip()]
+    unknown = [v for v in variants if v not in VARIANTS]
+    if unknown:
+        print(f"unknown variant(s) {unknown}; known: {', '.join(VARIANTS)}", file=sys.stderr)
+        return 2
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    timing: dict[str, tuple] = {}
+    failed = []
+    for variant in variants if not args.summarize_only else []:
+        run_dir = out / variant
+        records = read_metrics(run_dir)
+        if args.skip_existing and records:
+            continue
+        command = run_command(args, variant, overrides)
+        print(f"[compare] {variant}: {shlex.join(command)}", flush=True)
+        started = time.perf_counter()
+        code = subprocess.call(command)
+        timing[variant] = (time.perf_counter() - started, code)
+        if code != 0:
+            failed.append(variant)
+            print(f"[compare] {variant} failed with exit code {code}", file=sys.stderr)
+    summary = summarize(out, variants, timing)
+    print((out / "summary.md").read_text())
+    print(f"[compare] wrote {out / 'summary.json'}, summary.md and {', '.join(summary['plots'])}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
