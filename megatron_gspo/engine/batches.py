@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
@@ -141,6 +141,9 @@ class MicroBatch:
     """``[B]`` or ``[B, R_max]`` float32."""
     ref_log_probs: Optional[torch.Tensor]
     """``[B, R_max]`` float32."""
+    routes: Optional[Any] = None
+    """This rank's routes of the micro-batch (a :class:`~megatron_gspo.engine.routing_replay.
+    MicroBatchRoutes`, set by the routing pass of a MoE forward), else None."""
 
     @property
     def num_samples(self) -> int:

@@ -275,11 +275,22 @@ def build_policy_model(
     with uninitialised weights (call :func:`~megatron_gspo.engine.sharding.
     initialize_weights_from_seed` or load a checkpoint).
 
-    ``routing_replay`` (default: ``cfg.algo.routing_replay != 'none'``) turns on Megatron's
-    ``moe_enable_routing_replay``; a reference model must be built with False.
+    ``routing_replay`` (default: True for a MoE policy) turns on Megatron's
+    ``moe_enable_routing_replay``: each router gets a ``RouterReplay``, which computes the native
+    top-k unless :mod:`~megatron_gspo.engine.routing_replay` sets an action, so it also serves the
+    routing metrics when ``algo.routing_replay`` is none. A reference model must be built with
+    False (its routers then cannot replay). Building with True first empties Megatron's
+    process-global ``RouterReplay`` registry, which otherwise keeps every earlier model's
+    instances (and their index tensors) alive; megatron_gspo never drives replay through it.
     """
     if routing_replay is None:
-        routing_replay = cfg.model.is_moe and cfg.algo.routing_replay != "none"
+        # Without RouterReplay (megatron-core < 0.16) only an explicit replay request fails.
+        routing_replay = cfg.algo.routing_replay != "none" or has_router_replay()
+    routing_replay = routing_replay and cfg.model.is_moe
+    if routing_replay:
+        from megatron.core.transformer.moe.router_replay import RouterReplay
+
+        RouterReplay.clear_global_router_replay_instances()
     config = transformer_config(cfg.model, cfg.parallel, moe_enable_routing_replay=routing_replay)
     vocab = padded_vocab_size(cfg.model.vocab_size, parallel_state.tp)
     max_length = max(

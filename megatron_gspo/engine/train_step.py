@@ -24,6 +24,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Callable, Sequence
+from contextlib import nullcontext
 from functools import partial
 from typing import Any, Optional
 
@@ -59,6 +60,7 @@ from megatron_gspo.engine.model import (
 )
 from megatron_gspo.engine.packing import padding_multiple
 from megatron_gspo.engine.parallel import ParallelState, initialize_parallel
+from megatron_gspo.engine.routing_replay import PolicyRouting, RoutingPass, check_never_replays
 from megatron_gspo.engine.sharding import initialize_weights_from_seed
 from megatron_gspo.samples import TrainSample
 
@@ -166,6 +168,10 @@ class TrainEngine:
         self.parallel = parallel or initialize_parallel(cfg.parallel, cfg.seed)
         chunks = build_policy_model(cfg, self.parallel)
         initialize_weights_from_seed(chunks, cfg.seed, cfg.model.init_std)
+        # The policy's RouterReplay instances, found by walking its chunks (routing_replay.py).
+        self.routing: Optional[PolicyRouting] = None
+        if cfg.model.is_moe and getattr(chunks[0].config, "moe_enable_routing_replay", False):
+            self.routing = PolicyRouting(chunks, self.parallel, cfg)
         if load_weights is not None:
             load_weights(chunks)
         self.model = wrap_with_ddp(
@@ -181,6 +187,7 @@ class TrainEngine:
         self.reference_model: Optional[list[PolicyModel]] = None
         if cfg.algo.needs_reference_model:
             self.reference_model = build_policy_model(cfg, self.parallel, routing_replay=False)
+            check_never_replays(self.reference_model)
             self.copy_policy_to_reference()
         self.multiple = padding_multiple(
             self.parallel.tp, self.parallel.cp, sequence_parallel=self.parallel.tp > 1
@@ -221,13 +228,21 @@ class TrainEngine:
         return plan[self.parallel.dp_rank]
 
     def _run_schedule(
-        self, model: list, micro_batches: list[MicroBatch], loss_func, *, forward_only: bool
+        self,
+        model: list,
+        micro_batches: list[MicroBatch],
+        loss_func,
+        *,
+        forward_only: bool,
+        routing: Optional[RoutingPass] = None,
     ) -> list[dict]:
         cp_group, device = self.parallel.cp_group, self.parallel.device
 
         def forward_step(data_iterator, chunk):
             micro_batch = next(data_iterator)
             packed = micro_batch.packed
+            if routing is not None:
+                routing.before_forward(chunk, micro_batch)
             output = chunk(
                 packed.input_ids.to(device),
                 packed.position_ids.to(device),
@@ -235,6 +250,8 @@ class TrainEngine:
                 packed_seq_params=packed_seq_params(micro_batch, cp_group, device),
                 padding_mask=packed.padding_mask.to(device),
             )
+            if routing is not None:
+                routing.after_forward(chunk, micro_batch)
             return output, partial(loss_func, micro_batch)
 
         iterators = [iter(micro_batches) for _ in model]
@@ -276,16 +293,30 @@ class TrainEngine:
     # -----------------------------------------------------------------------------------------
 
     def forward_log_probs(
-        self, samples: Sequence[TrainSample], *, reference: bool = False
+        self,
+        samples: Sequence[TrainSample],
+        *,
+        reference: bool = False,
+        record_routes: bool = False,
     ) -> list[torch.Tensor]:
         """Per-sample ``[R]`` float32 response log-probs at ``rollout.temperature`` (no grad),
         returned on every rank. Uses the same micro-batches as :meth:`train_step`, so the
-        old log-probs it recomputes match the training forward bit for bit."""
+        old log-probs it recomputes match the training forward bit for bit.
+
+        MoE policy forwards replay each sample's ``routed_experts`` under
+        ``algo.routing_replay=r3``. ``record_routes=True`` makes this the old-policy forward:
+        every MoE layer's native top-k is recorded and stored on every rank's samples as
+        ``metadata[OLD_ROUTES_KEY]`` (``[L - 1, M, K]`` uint8/int16, CPU) and, under r2, as
+        ``routed_experts`` (replayed by the training forwards). Dense models ignore it. The
+        reference model never replays nor records.
+        """
         validate_samples(samples, need_old=False, need_advantages=False, need_ref=False)
         if reference and self.reference_model is None:
             raise RuntimeError(
                 "no reference model: algo.use_kl_loss and add_token_level_kl are off"
             )
+        if reference and record_routes:
+            raise ValueError("record_routes: the old policy's routes come from the policy model")
         model = self.reference_model if reference else self.model
         denominators = global_denominators(samples)
         micro_batches = build_micro_batches(
@@ -313,8 +344,13 @@ class TrainEngine:
                 flat[where] = log_probs.detach().float().cpu()
             return hidden.sum() * 0.0, {}
 
-        with torch.no_grad():
-            self._run_schedule(model, micro_batches, loss_func, forward_only=True)
+        routing = nullcontext()
+        if self.routing is not None and not reference:
+            routing = self.routing.old_policy_pass(samples, micro_batches, record=record_routes)
+        with routing as routing_pass, torch.no_grad():
+            self._run_schedule(
+                model, micro_batches, loss_func, forward_only=True, routing=routing_pass
+            )
         flat = flat.to(self.parallel.device)
         dist.all_reduce(flat, group=self.parallel.world_group)
         flat = flat.cpu()
@@ -331,6 +367,10 @@ class TrainEngine:
         step was skipped because the loss or the gradient norm was not finite),
         ``skipped_total``, ``num_micro_batches`` (per rank), ``tokens`` and ``padding_tokens``
         (packed, all ranks) and, with the load-balancing loss on, ``moe_load_balancing_loss``.
+        MoE with ``algo.log_routing_change``: ``routing_change_frac`` (when the samples carry the
+        old policy's routes, see :meth:`forward_log_probs`), ``routing_change_frac_vs_rollout``
+        (when they carry the rollout's routes) and their ``/layer_{i}`` values (``i``: decoder
+        layer), reduced over all ranks (module ``routing_replay``).
         """
         return self.optimizer_step(self.forward_backward(samples))
 
@@ -400,8 +440,16 @@ class TrainEngine:
         for chunk in self.model:
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
-        outputs = self._run_schedule(self.model, micro_batches, loss_func, forward_only=False)
+        routing = nullcontext()
+        if self.routing is not None:
+            routing = self.routing.training_pass(samples, micro_batches, backward=True)
+        with routing as routing_pass:
+            outputs = self._run_schedule(
+                self.model, micro_batches, loss_func, forward_only=False, routing=routing_pass
+            )
         metrics = self._reduce_metrics(outputs)
+        if routing_pass is not None:
+            metrics.update(routing_pass.metrics)
         if self.cfg.model.is_moe and self.cfg.model.moe_aux_loss_coef > 0:
             metrics["moe_load_balancing_loss"] = self._load_balancing_loss(num_micro_batches)
         padding = sum(mb.packed.padding_tokens for mb in micro_batches if mb.sample_indices)

@@ -1,0 +1,667 @@
+"""MoE Routing Replay (R2 / R3) and expert-volatility metrics on Megatron-Core's ``RouterReplay``.
+
+Terms (``reference/gspo-algorithms.md`` section 4): **R2** records every MoE layer's top-k experts
+per token in the old-log-prob forward of the training engine and replays them in the training
+forwards of the same samples; **R3** replays the rollout engine's routes in the old-log-prob
+forward and in the training forwards.
+
+Mechanism. The policy is built with ``moe_enable_routing_replay`` (for any MoE policy: with no
+replay action set, Megatron's ``RouterReplay`` computes the native top-k, bit for bit), and
+:class:`PolicyRouting` adopts the ``RouterReplay`` of each of the policy's routers, found by
+walking the policy's chunks. Megatron's process-global registry
+(``RouterReplay.global_router_replay_instances``) is never used to drive replay, so a reference
+model (built without replay: its routers have no ``RouterReplay``) or a second engine in the same
+process can never replay the policy's routes. On replay Megatron gathers the combine weights from
+the router's dense scores at the forced indices, so the router keeps its gradient; the
+load-balancing loss of megatron-core 0.16 uses its own top-k of the router logits, not the
+replayed one (replayed routes change which experts compute, not that loss).
+
+Layout. Routes are ``[L - 1, M, K]`` per sample (``M`` MoE layers, ``K`` = top-k), row ``t`` being
+the experts of token ``t`` as an input. The packer feeds exactly these ``L - 1`` positions
+(``tokens[:-1]``: the last token predicts nothing), so the rollout engine's ``L - 1`` rows cover
+every input position and **no row is missing**: the last-token problem of verl/slime (they feed
+all ``L`` tokens) does not arise here. Only the THD padding of each sequence (to the multiple
+tp/cp need) and filler micro-batches have no route; they get the distinct, balanced ids of
+:func:`balanced_pad_routes` (never duplicates such as all zeros: duplicate ids break top-k and pile
+padding onto one expert-parallel rank); their outputs reach no real token (causal attention,
+padding at sequence ends) and padding is excluded from the load-balancing statistics. Routes go
+through the same steps as the input ids: THD packing (:meth:`PackedSequences.full_row`), the
+context-parallel zig-zag (:func:`~megatron_gspo.engine.packing.split_for_context_parallel`),
+Megatron's sequence-parallel scatter over tp (hidden states are ``[s / tp, b, h]`` in the router),
+and pipeline stages (each chunk sets only its own layers, found by global layer number).
+
+Consumption. Every replaying forward must consume each layer's routes exactly once: a layer that
+did not route (or routed twice) raises :class:`RoutingReplayError`. With full activation
+recompute the backward recomputation pops the same micro-batch's routes in FIFO order
+(``REPLAY_BACKWARD``); routes left unconsumed at the end of the step raise too.
+
+Expert volatility (``routing_change_frac``): the fraction of (loss token, MoE layer) pairs whose
+top-k SET under the weights being trained differs from the old policy's. A token counts at the
+position that predicts it (``P - 1 + j`` for response token ``j``). The native top-k is exact and
+nearly free: under replay Megatron still hands the router scores to ``RouterReplay``, which takes
+one extra top-k of them; without replay the forward records its native routes. "The old
+policy's routes" are those the old-log-prob forward computed natively (recorded in
+:data:`OLD_ROUTES_KEY` of the sample's metadata; under R3 that forward replays the rollout's routes
+and records what the trainer would have chosen, so the metric isolates the drift caused by the
+updates from train/inference mismatch). ``routing_change_frac_vs_rollout`` compares with the
+rollout engine's routes (R3, or whenever samples carry them and R2 has not replaced them). Without
+an old-log-prob forward (``old_log_prob_source`` rollout or detach) ``routing_change_frac`` is not
+reported.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Optional
+
+import torch
+import torch.distributed as dist
+from megatron.core import tensor_parallel
+from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
+
+from megatron_gspo.config import TrainConfig
+from megatron_gspo.engine.parallel import ParallelState
+from megatron_gspo.samples import TrainSample
+
+if TYPE_CHECKING:
+    from megatron_gspo.engine.batches import MicroBatch
+
+OLD_ROUTES_KEY = "old_routed_experts"
+"""``TrainSample.metadata`` key of the old policy's native routes ``[L - 1, M, K]`` (recorded by
+``forward_log_probs(record_routes=True)``), the reference of ``routing_change_frac``."""
+
+_TRANSPORT_CHUNK = 1 << 26
+"""Elements per all-reduce when gathering recorded routes (bounds the device buffer)."""
+
+
+class RoutingReplayError(RuntimeError):
+    """Routes are missing, malformed, or were not consumed exactly once."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Pure helpers
+# ---------------------------------------------------------------------------------------------
+
+
+def route_dtype(num_experts: int) -> torch.dtype:
+    """Storage dtype of expert ids: uint8 up to 256 experts, int16 above."""
+    if num_experts <= 256:
+        return torch.uint8
+    if num_experts <= 32768:
+        return torch.int16
+    raise ValueError(f"{num_experts} experts do not fit in int16 expert ids")
+
+
+def balanced_pad_routes(positions: torch.Tensor, topk: int, num_experts: int) -> torch.Tensor:
+    """``[n, K]`` int64 expert ids for rows without a route: row at packed position ``p`` gets
+    ``(p K + [0, K)) mod E``, distinct within the row (K <= E) and spread evenly over experts
+    (hence over expert-parallel ranks) across rows."""
+    steps = torch.arange(topk, dtype=torch.long, device=positions.device)
+    return (positions.long().unsqueeze(1) * topk + steps) % num_experts
+
+
+def topk_sets_differ(first: torch.Tensor, second: torch.Tensor) -> torch.Tensor:
+    """``[n]`` bool: whether rows of two ``[n, K]`` id tensors hold different SETS of experts
+    (top-k column order is irrelevant: the combine sums over experts)."""
+    first = first.long().sort(dim=-1).values
+    second = second.to(first.device).long().sort(dim=-1).values
+    return (first != second).any(dim=-1)
+
+
+def check_routes(
+    routes: Optional[torch.Tensor],
+    *,
+    where: str,
+    num_positions: int,
+    num_moe_layers: int,
+    topk: int,
+    num_experts: int,
+    source: str,
+) -> torch.Tensor:
+    """Validate one sample's routes ``[L - 1, M, K]``: integer ids in ``[0, E)``, no duplicate
+    expert within a row. Returns them; raises :class:`RoutingReplayError` naming ``where``."""
+    if routes is None:
+        raise RoutingReplayError(f"{where}: routed_experts are missing ({source})")
+    expected = (num_positions, num_moe_layers, topk)
+    if tuple(routes.shape) != expected:
+        raise RoutingReplayError(
+            f"{where}: routed_experts have shape {tuple(routes.shape)}, expected {expected} "
+            f"(one row per input token = L - 1, one column per MoE layer, top-k ids) ({source})"
+        )
+    if routes.is_floating_point() or routes.dtype == torch.bool:
+        raise RoutingReplayError(f"{where}: routed_experts must be integer ids, got {routes.dtype}")
+    if routes.numel() == 0:
+        return routes
+    low, high = int(routes.min()), int(routes.max())
+    if low < 0 or high >= num_experts:
+        raise RoutingReplayError(
+            f"{where}: routed_experts hold expert id {low if low < 0 else high}, outside "
+            f"[0, num_experts={num_experts}); ids must be logical (before any expert-placement "
+            f"remap) ({source})"
+        )
+    ordered = routes.long().sort(dim=-1).values
+    duplicate = (ordered[..., 1:] == ordered[..., :-1]).any(dim=-1)
+    if bool(duplicate.any()):
+        token, layer = (int(i) for i in duplicate.nonzero()[0])
+        raise RoutingReplayError(
+            f"{where}: routed_experts repeat an expert at token {token}, MoE layer {layer}: "
+            f"{routes[token, layer].tolist()}; each token routes to K distinct experts ({source})"
+        )
+    return routes
+
+
+# ---------------------------------------------------------------------------------------------
+# Megatron's RouterReplay, instrumented
+# ---------------------------------------------------------------------------------------------
+
+
+class PolicyRouterReplay(RouterReplay):
+    """Megatron's ``RouterReplay`` of one policy MoE layer, counting what it consumes and keeping
+    the native top-k it computes (for ``routing_change_frac``).
+
+    Built by :meth:`adopt` from the instance Megatron's ``TopKRouter`` created, so the router,
+    Megatron's registry and the base-class state stay as upstream made them.
+    """
+
+    layer_number: int
+    """Global decoder layer number (1-based, Megatron's)."""
+    moe_index: int
+    """Column of this layer in ``[L - 1, M, K]`` routes."""
+    record_native: bool
+    native_topk_idx: Optional[torch.Tensor]
+    forward_uses: int
+
+    @classmethod
+    def adopt(cls, replay: RouterReplay, layer_number: int, moe_index: int) -> PolicyRouterReplay:
+        # Re-class Megatron's own instance instead of swapping in a new one: TopKRouter, the
+        # registry and RouterReplay's static helpers keep referring to the same object.
+        replay.__class__ = cls
+        replay.layer_number = layer_number
+        replay.moe_index = moe_index
+        replay.record_native = False
+        replay.native_topk_idx = None
+        replay.forward_uses = 0
+        return replay
+
+    def reset(self) -> None:
+        self.clear_router_replay_action()
+        self.clear_indices()
+        self.record_native = False
+        self.native_topk_idx = None
+        self.forward_uses = 0
+
+    def get_replay_topk(
+        self,
+        scores: torch.Tensor,
+        topk: int,
+        num_groups: Optional[int] = None,
+        group_topk: Optional[int] = None,
+        default_compute_topk: Optional[Callable] = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        action = self.router_replay_action
+        where = f"decoder layer {self.layer_number - 1}"
+        if action == RouterReplayAction.REPLAY_FORWARD:
+            if self.target_topk_idx is None:
+                raise RoutingReplayError(f"{where}: replay was asked but no routes were set")
+            if self.forward_uses:
+                raise RoutingReplayError(
+                    f"{where}: routed twice in one forward; its replayed routes are consumed once"
+                )
+            if self.target_topk_idx.shape != (scores.shape[0], topk):
+                raise RoutingReplayError(
+                    f"{where}: replayed routes have shape {tuple(self.target_topk_idx.shape)}, "
+                    f"the router sees {scores.shape[0]} tokens with top-{topk}"
+                )
+            self.forward_uses += 1
+            if self.record_native:
+                # The scores Megatron hands over are what native routing would rank.
+                with torch.no_grad():
+                    _, native = default_compute_topk(
+                        scores.detach(), topk, num_groups=num_groups, group_topk=group_topk
+                    )
+                self.native_topk_idx = native
+        elif action == RouterReplayAction.REPLAY_BACKWARD and not self.replay_backward_list:
+            raise RoutingReplayError(
+                f"{where}: the backward recomputation found no replayed routes left (recompute "
+                "ran more forwards than were replayed)"
+            )
+        probs, indices = super().get_replay_topk(
+            scores, topk, num_groups, group_topk, default_compute_topk
+        )
+        if action == RouterReplayAction.RECORD:
+            self.native_topk_idx = indices
+        return probs, indices
+
+
+# ---------------------------------------------------------------------------------------------
+# Per micro-batch layout
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class MicroBatchRoutes:
+    """The routes of one micro-batch on this rank, in the router's token order (this cp rank's
+    zig-zag part, then this tp rank's sequence-parallel slice): ``T_loc`` tokens."""
+
+    rows: torch.Tensor
+    """``[T_loc]`` int64 row of each token in the mini-batch's flat ``[sum(L_i - 1), M, K]``
+    routes (sample offset + position); -1 at padding."""
+    replay: Optional[torch.Tensor]
+    """``[T_loc, M, K]`` expert ids to replay (padding rows balanced), or None."""
+    compare_tokens: torch.Tensor
+    """``[n]`` int64 local tokens that predict a loss token."""
+    old: Optional[torch.Tensor]
+    """``[n, M, K]`` the old policy's routes at ``compare_tokens``."""
+    rollout: Optional[torch.Tensor]
+    """``[n, M, K]`` the rollout engine's routes at ``compare_tokens``."""
+
+
+def _row_offsets(samples: Sequence[TrainSample]) -> list[int]:
+    offsets = [0]
+    for sample in samples:
+        offsets.append(offsets[-1] + int(sample.tokens.numel()) - 1)
+    return offsets
+
+
+def micro_batch_routes(
+    micro_batch: MicroBatch,
+    samples: Sequence[TrainSample],
+    row_offsets: Sequence[int],
+    *,
+    replay: Optional[Sequence[torch.Tensor]],
+    old: Optional[torch.Tensor],
+    rollout: Optional[torch.Tensor],
+    num_moe_layers: int,
+    topk: int,
+    num_experts: int,
+    tp_group: dist.ProcessGroup,
+) -> MicroBatchRoutes:
+    """Pack, zig-zag split and sequence-parallel scatter the routes of ``micro_batch``.
+
+    ``replay``: per-sample ``[L_i - 1, M, K]`` routes of the whole mini-batch (or None);
+    ``old`` / ``rollout``: flat ``[sum(L_i - 1), M, K]`` routes to compare with (or None).
+    """
+    packed = micro_batch.packed
+    chosen = micro_batch.sample_indices
+    rows = torch.full((packed.num_tokens,), -1, dtype=torch.long)
+    loss_position = torch.zeros(packed.num_tokens, dtype=torch.bool)
+    offset = 0
+    for index, length, padded in zip(chosen, packed.lengths, packed.padded_lengths):
+        sample = samples[index]
+        rows[offset : offset + length] = row_offsets[index] + torch.arange(length)
+        start = offset + sample.prompt_length - 1
+        loss_position[start : start + sample.response_length] = sample.response_mask()
+        offset += padded
+
+    def local(full_row: torch.Tensor) -> torch.Tensor:
+        # The input ids' path: zig-zag over cp, then Megatron's sequence-parallel scatter.
+        return tensor_parallel.scatter_to_sequence_parallel_region(
+            packed.split(full_row), group=tp_group
+        )
+
+    local_rows = local(rows)
+    compare_tokens = torch.nonzero(local(loss_position)).squeeze(1)
+    replay_local = None
+    if replay is not None:
+        dtype = route_dtype(num_experts)
+        if chosen:
+            full = packed.full_row([replay[i].to(dtype) for i in chosen])
+        else:  # filler micro-batch: padding only
+            full = torch.zeros((packed.num_tokens, num_moe_layers, topk), dtype=dtype)
+        padding = rows < 0
+        pad = balanced_pad_routes(torch.nonzero(padding).squeeze(1), topk, num_experts)
+        full[padding] = pad.unsqueeze(1).to(dtype)
+        replay_local = local(full)
+    compare_rows = local_rows[compare_tokens]
+    return MicroBatchRoutes(
+        rows=local_rows,
+        replay=replay_local,
+        compare_tokens=compare_tokens,
+        old=None if old is None else old[compare_rows],
+        rollout=None if rollout is None else rollout[compare_rows],
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# The policy's routers and one forward pass over them
+# ---------------------------------------------------------------------------------------------
+
+
+def check_never_replays(chunks: Sequence[torch.nn.Module]) -> None:
+    """Raise unless no router of ``chunks`` can replay (a reference model must route natively:
+    pitfall 13 of ``reference/gspo-algorithms.md``)."""
+    for chunk in chunks:
+        for layer in chunk.decoder.layers:
+            router = getattr(layer.mlp, "router", None)
+            if router is not None and router.router_replay is not None:
+                raise ValueError(
+                    f"decoder layer {layer.layer_number - 1} of the reference model has a "
+                    "RouterReplay; build it with build_policy_model(..., routing_replay=False)"
+                )
+
+
+class PolicyRouting:
+    """The ``RouterReplay`` of every MoE layer of the policy chunks on this rank, and what the
+    old-log-prob and training forwards do with them (see the module docstring)."""
+
+    def __init__(
+        self, chunks: Sequence[torch.nn.Module], parallel: ParallelState, cfg: TrainConfig
+    ):
+        self.parallel = parallel
+        self.mode = cfg.algo.routing_replay
+        self.measure = cfg.algo.log_routing_change
+        self.moe_layers = list(cfg.model.moe_layer_indices)
+        self.topk = cfg.model.moe_router_topk
+        self.num_experts = cfg.model.num_experts
+        config = chunks[0].config
+        self.recompute = config.recompute_granularity == "full"
+        if config.moe_router_fusion:
+            raise ValueError("moe_router_fusion bypasses RouterReplay; routing replay needs it off")
+        self.routers: dict[int, list[PolicyRouterReplay]] = {}
+        for chunk in chunks:
+            replays = []
+            for layer in chunk.decoder.layers:
+                router = getattr(layer.mlp, "router", None)
+                if router is None:
+                    continue  # a dense layer
+                where = f"decoder layer {layer.layer_number - 1}"
+                if router.router_replay is None:
+                    raise ValueError(
+                        f"{where} has no RouterReplay: build the policy with "
+                        "moe_enable_routing_replay (build_policy_model does for MoE policies)"
+                    )
+                if router.routing_type == "sinkhorn":
+                    raise ValueError(f"{where}: sinkhorn routing bypasses RouterReplay")
+                moe_index = self.moe_layers.index(layer.layer_number - 1)
+                replays.append(
+                    PolicyRouterReplay.adopt(router.router_replay, layer.layer_number, moe_index)
+                )
+            self.routers[id(chunk)] = replays
+
+    @property
+    def all_routers(self) -> list[PolicyRouterReplay]:
+        return [replay for replays in self.routers.values() for replay in replays]
+
+    def _validated(
+        self, samples: Sequence[TrainSample], routes: Sequence[Optional[torch.Tensor]], source: str
+    ) -> list[torch.Tensor]:
+        return [
+            check_routes(
+                route,
+                where=f"sample {index} (group {sample.group_id})",
+                num_positions=int(sample.tokens.numel()) - 1,
+                num_moe_layers=len(self.moe_layers),
+                topk=self.topk,
+                num_experts=self.num_experts,
+                source=source,
+            )
+            for index, (sample, route) in enumerate(zip(samples, routes))
+        ]
+
+    def _replayed(self, samples: Sequence[TrainSample], source: str) -> list[torch.Tensor]:
+        return self._validated(samples, [s.routed_experts for s in samples], source)
+
+    @contextmanager
+    def old_policy_pass(
+        self,
+        samples: Sequence[TrainSample],
+        micro_batches: Sequence[MicroBatch],
+        *,
+        record: bool,
+    ) -> Iterator[Optional[RoutingPass]]:
+        """The old-log-prob forward: replays the rollout's routes under R3, records the native
+        routes when ``record`` (then stored on the samples when the pass ends)."""
+        replay = None
+        if self.mode == "r3":
+            replay = self._replayed(
+                samples,
+                "routing_replay=r3 replays the rollout engine's routes: request them "
+                "(GenerateRequest.return_routed_experts; SGLang --enable-return-routed-experts)",
+            )
+        if replay is None and not record:
+            yield None
+            return
+        with RoutingPass(
+            self, samples, micro_batches, replay=replay, record=record, backward=False
+        ) as routing_pass:
+            yield routing_pass
+        if record:
+            for sample, routes in zip(samples, routing_pass.recorded):
+                sample.metadata[OLD_ROUTES_KEY] = routes
+                if self.mode == "r2":
+                    sample.routed_experts = routes
+
+    @contextmanager
+    def training_pass(
+        self, samples: Sequence[TrainSample], micro_batches: Sequence[MicroBatch], *, backward: bool
+    ) -> Iterator[Optional[RoutingPass]]:
+        """A training forward (and backward): replays ``routed_experts`` under R2/R3 and, with
+        ``algo.log_routing_change``, measures the routing change (``RoutingPass.metrics``)."""
+        replay = None
+        if self.mode == "r2":
+            replay = self._replayed(
+                samples,
+                "routing_replay=r2 replays the routes recorded by "
+                "forward_log_probs(record_routes=True) (stages.set_old_log_probs)",
+            )
+        elif self.mode == "r3":
+            replay = self._replayed(samples, "routing_replay=r3 replays the rollout's routes")
+        old = rollout = None
+        if self.measure:
+            if all(OLD_ROUTES_KEY in s.metadata for s in samples):
+                old = self._validated(
+                    samples, [s.metadata[OLD_ROUTES_KEY] for s in samples], "old-policy routes"
+                )
+            if self.mode == "r3":
+                rollout = replay
+            elif self.mode == "none" and all(s.routed_experts is not None for s in samples):
+                rollout = self._replayed(samples, "rollout routes")
+        if replay is None and old is None and rollout is None:
+            yield None
+            return
+        with RoutingPass(
+            self,
+            samples,
+            micro_batches,
+            replay=replay,
+            old=old,
+            rollout=rollout,
+            backward=backward,
+        ) as routing_pass:
+            yield routing_pass
+
+
+class RoutingPass:
+    """One schedule's forwards (and backwards) over the policy routers: ``before_forward`` /
+    ``after_forward`` bracket each chunk forward of each micro-batch; leaving the ``with`` block
+    checks consumption, gathers what was recorded (collective: every rank) and resets the
+    routers (also on error)."""
+
+    def __init__(
+        self,
+        routing: PolicyRouting,
+        samples: Sequence[TrainSample],
+        micro_batches: Sequence[MicroBatch],
+        *,
+        replay: Optional[Sequence[torch.Tensor]] = None,
+        old: Optional[Sequence[torch.Tensor]] = None,
+        rollout: Optional[Sequence[torch.Tensor]] = None,
+        record: bool = False,
+        backward: bool,
+    ):
+        self.routing = routing
+        self.replay = replay is not None
+        self.record = record
+        self.compare_old = old is not None
+        self.compare_rollout = rollout is not None
+        # Full activation recompute re-runs each layer in the backward: it must replay the same
+        # routes (FIFO per router), so they stay queued until then.
+        self.recompute_in_backward = backward and routing.recompute and self.replay
+        parallel = routing.parallel
+        self.device = parallel.device
+        self.row_offsets = _row_offsets(samples)
+        self.samples = samples
+        num_layers = len(routing.moe_layers)
+
+        def flat(routes):
+            return None if routes is None else torch.cat([r.to(torch.int32) for r in routes])
+
+        old_flat, rollout_flat = flat(old), flat(rollout)
+        for micro_batch in micro_batches:
+            micro_batch.routes = micro_batch_routes(
+                micro_batch,
+                samples,
+                self.row_offsets,
+                replay=replay,
+                old=old_flat,
+                rollout=rollout_flat,
+                num_moe_layers=num_layers,
+                topk=routing.topk,
+                num_experts=routing.num_experts,
+                tp_group=parallel.tp_group,
+            )
+        self.recorded: Optional[list[torch.Tensor]] = None
+        self.metrics: dict[str, float] = {}
+        self._buffer = None
+        if record:
+            # Expert id + 1, so that a (position, layer) nobody wrote reads 0 after the sum.
+            dtype = torch.uint8 if routing.num_experts < 256 else torch.int32
+            self._buffer = torch.zeros(
+                (self.row_offsets[-1], num_layers, routing.topk), dtype=dtype
+            )
+        self._counts = torch.zeros((3, num_layers), dtype=torch.float64, device=self.device)
+
+    # -- per forward ------------------------------------------------------------------------
+
+    def _routers(self, chunk: torch.nn.Module) -> list[PolicyRouterReplay]:
+        from megatron_gspo.engine.model import unwrap
+
+        return self.routing.routers[id(unwrap(chunk))]
+
+    def before_forward(self, chunk: torch.nn.Module, micro_batch: MicroBatch) -> None:
+        routes = micro_batch.routes
+        for replay in self._routers(chunk):
+            replay.forward_uses = 0
+            replay.native_topk_idx = None
+            replay.record_native = self.record or self.compare_old or self.compare_rollout
+            if self.replay:
+                target = routes.replay[:, replay.moe_index].to(self.device, torch.long)
+                replay.set_target_indices(target)
+                replay.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
+            elif replay.record_native:
+                replay.set_router_replay_action(RouterReplayAction.RECORD)
+            else:
+                replay.clear_router_replay_action()
+
+    def after_forward(self, chunk: torch.nn.Module, micro_batch: MicroBatch) -> None:
+        routes = micro_batch.routes
+        for replay in self._routers(chunk):
+            where = f"decoder layer {replay.layer_number - 1}"
+            if self.replay and replay.forward_uses != 1:
+                raise RoutingReplayError(
+                    f"{where} did not consume its replayed routes in this forward (a router "
+                    "path that bypasses RouterReplay, e.g. moe_router_fusion or sinkhorn?)"
+                )
+            native = replay.native_topk_idx
+            if replay.record_native and native is None:
+                raise RoutingReplayError(f"{where} did not route in this forward")
+            if self.record:
+                real = routes.rows >= 0
+                self._buffer[routes.rows[real], replay.moe_index] = (
+                    native[real.to(native.device)].to("cpu", self._buffer.dtype) + 1
+                )
+            if self.compare_old or self.compare_rollout:
+                chosen = native[routes.compare_tokens.to(native.device)]
+                m = replay.moe_index
+                if self.compare_old:
+                    changed = topk_sets_differ(chosen, routes.old[:, m])
+                    self._counts[0, m] += changed.sum().to(self._counts)
+                if self.compare_rollout:
+                    changed = topk_sets_differ(chosen, routes.rollout[:, m])
+                    self._counts[1, m] += changed.sum().to(self._counts)
+                self._counts[2, m] += chosen.shape[0]
+            replay.native_topk_idx = replay.recorded_topk_idx = replay.target_topk_idx = None
+            replay.record_native = False
+            if self.recompute_in_backward:
+                replay.set_router_replay_action(RouterReplayAction.REPLAY_BACKWARD)
+            else:
+                replay.clear_router_replay_action()
+                replay.replay_backward_list.clear()
+
+    # -- end of the schedule ---------------------------------------------------------------
+
+    def __enter__(self) -> RoutingPass:
+        return self
+
+    def __exit__(self, exc_type, exc, traceback) -> None:
+        try:
+            if exc_type is None:
+                self._finish()
+        finally:
+            for replay in self.routing.all_routers:
+                replay.reset()
+
+    def _finish(self) -> None:
+        for replay in self.routing.all_routers:
+            if replay.replay_backward_list:
+                raise RoutingReplayError(
+                    f"decoder layer {replay.layer_number - 1}: "
+                    f"{len(replay.replay_backward_list)} replayed route sets were not consumed by "
+                    "the backward recomputation"
+                )
+        world = self.routing.parallel.world_group
+        if self.compare_old or self.compare_rollout:
+            # Each (token, layer) pair lives on exactly one rank (tp/cp/dp split tokens, pp
+            # layers), so a world sum counts every pair once.
+            dist.all_reduce(self._counts, group=world)
+            self.metrics = self._change_metrics(self._counts.cpu())
+        if self.record:
+            self.recorded = self._gather_recorded(world)
+
+    def _change_metrics(self, counts: torch.Tensor) -> dict[str, float]:
+        metrics = {}
+        total = counts[2]
+        if float(total.sum()) == 0:
+            return metrics
+        for row, name in ((0, "routing_change_frac"), (1, "routing_change_frac_vs_rollout")):
+            if (row == 0 and not self.compare_old) or (row == 1 and not self.compare_rollout):
+                continue
+            metrics[name] = float(counts[row].sum() / total.sum())
+            for m, layer in enumerate(self.routing.moe_layers):
+                if total[m] > 0:
+                    metrics[f"{name}/layer_{layer}"] = float(counts[row, m] / total[m])
+        return metrics
+
+    def _gather_recorded(self, world: dist.ProcessGroup) -> list[torch.Tensor]:
+        """Every rank's recorded ids summed over the world (each entry written by one rank,
+        others 0), split per sample, checked and stored compactly on CPU."""
+        flat = self._buffer.view(-1)
+        for start in range(0, flat.numel(), _TRANSPORT_CHUNK):
+            part = flat[start : start + _TRANSPORT_CHUNK].to(self.device)
+            dist.all_reduce(part, group=world)
+            flat[start : start + _TRANSPORT_CHUNK] = part.cpu()
+        routing = self.routing
+        if self._buffer.numel() and int(self._buffer.min()) == 0:
+            row = int((self._buffer == 0).any(-1).any(-1).nonzero()[0])
+            raise RoutingReplayError(
+                f"recorded routes are incomplete: flat row {row} has a layer no rank recorded "
+                "(a layer did not run, or the token layout differs between ranks)"
+            )
+        dtype = route_dtype(routing.num_experts)
+        recorded = []
+        for index, sample in enumerate(self.samples):
+            part = self._buffer[self.row_offsets[index] : self.row_offsets[index + 1]]
+            routes = (part.long() - 1).to(dtype)
+            check_routes(
+                routes,
+                where=f"sample {index} (group {sample.group_id})",
+                num_positions=part.shape[0],
+                num_moe_layers=len(routing.moe_layers),
+                topk=routing.topk,
+                num_experts=routing.num_experts,
+                source="recorded by the training engine",
+            )
+            recorded.append(routes)
+        return recorded

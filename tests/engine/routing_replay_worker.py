@@ -1,0 +1,543 @@
+"""Worker of ``test_routing_replay.py``.
+
+``--checks``: one-process checks, printed as one JSON object ``{check: "ok" | failure text}``.
+``--reference DIR``: one-process results of the layout runs. ``--runs mode:layout ...`` (under
+torchrun): the same steps in parallel layouts; each rank writes its errors to ``DIR/rank{r}.json``.
+
+What the router really used is read from Megatron's own router output (the ``routing_map`` that
+the token dispatcher consumes); the native routing from an independent top-k of the router
+logits (``router.gating``), never from the code under test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import traceback
+import warnings
+from contextlib import contextmanager
+from pathlib import Path
+
+warnings.filterwarnings("ignore")
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from layout_worker import make_config, make_samples, relative_error  # noqa: E402
+
+from megatron_gspo.engine.batches import build_micro_batches, global_denominators  # noqa: E402
+from megatron_gspo.engine.parallel import destroy_parallel  # noqa: E402
+from megatron_gspo.engine.routing_replay import (  # noqa: E402
+    OLD_ROUTES_KEY,
+    RoutingReplayError,
+    topk_sets_differ,
+)
+from megatron_gspo.engine.routing_replay import (  # noqa: E402
+    check_never_replays as assert_reference_cannot_replay,
+)
+from megatron_gspo.engine.sharding import gather_full_state  # noqa: E402
+from megatron_gspo.engine.train_step import TrainEngine  # noqa: E402
+from megatron_gspo.samples import TrainSample  # noqa: E402
+
+NUM_EXPERTS, TOPK, MOE_LAYERS = 8, 2, 4
+MICRO_BATCH_TOKENS = 60
+"""Two micro-batches per step in every layout (as in layout_worker)."""
+
+
+def _config(mode: str, layout: str = "", micro_batch_tokens: int = 10_000, **overrides):
+    recompute = "recompute" in layout.split(".")
+    layout = ".".join(p for p in layout.split(".") if p != "recompute")
+    cfg = make_config("moe", layout, micro_batch_tokens)
+    cfg.algo.routing_replay = mode
+    cfg.model.recompute_activations = recompute
+    for path, value in overrides.items():
+        section, name = path.split("__")
+        setattr(getattr(cfg, section), name, value)
+    return cfg
+
+
+def _engine(mode: str, micro_batch_tokens: int = 10_000, **overrides) -> TrainEngine:
+    if dist.is_initialized():
+        destroy_parallel(destroy_process_group=False)
+    return TrainEngine(_config(mode, "", micro_batch_tokens, **overrides))
+
+
+def random_routes(samples: list[TrainSample], seed: int = 1) -> list[torch.Tensor]:
+    """Per sample ``[L - 1, M, K]`` uint8: K distinct experts per row, uniformly random (far from
+    the native routing, so misplaced routes change the numbers)."""
+    generator = torch.Generator().manual_seed(seed)
+    routes = []
+    for sample in samples:
+        scores = torch.rand(sample.tokens.numel() - 1, MOE_LAYERS, NUM_EXPERTS, generator=generator)
+        routes.append(scores.argsort(-1)[..., :TOPK].to(torch.uint8))
+    return routes
+
+
+def _routers(engine: TrainEngine) -> list:
+    return [layer.mlp.router for chunk in engine.policy_chunks for layer in chunk.decoder.layers]
+
+
+@contextmanager
+def capture_routing(engine: TrainEngine):
+    """Per MoE layer, the list of ``(routing_map [T, E], native ids [T, K])`` of every router
+    call: what the dispatcher used, and an independent native top-k of the router logits."""
+    calls: dict[int, list] = {m: [] for m in range(MOE_LAYERS)}
+    handles = []
+    for index, router in enumerate(_routers(engine)):
+
+        def hook(module, inputs, output, index=index):
+            with torch.no_grad():
+                logits = module.gating(inputs[0]).view(-1, NUM_EXPERTS)
+                native = logits.topk(TOPK, dim=-1).indices
+            calls[index].append((output[1].detach().clone(), native))
+
+        handles.append(router.register_forward_hook(hook))
+    try:
+        yield calls
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def _as_map(ids: torch.Tensor) -> torch.Tensor:
+    """``[T, K]`` ids -> ``[T, E]`` bool routing map."""
+    return torch.zeros(ids.shape[0], NUM_EXPERTS).scatter(1, ids.long(), 1.0).bool()
+
+
+def _loss_rows(samples: list[TrainSample]) -> torch.Tensor:
+    """Rows of the one-micro-batch packed row (no padding in one process) that predict a loss
+    token: position ``P - 1 + j`` of each sample for the unmasked response tokens ``j``."""
+    rows, offset = [], 0
+    for sample in samples:
+        positions = torch.arange(sample.response_length) + sample.prompt_length - 1
+        rows.append(offset + positions[sample.response_mask()])
+        offset += sample.tokens.numel() - 1
+    return torch.cat(rows)
+
+
+def _perturb_routers(engine: TrainEngine, scale: float = 0.2) -> None:
+    generator = torch.Generator().manual_seed(11)
+    with torch.no_grad():
+        for router in _routers(engine):
+            noise = torch.randn(router.weight.shape, generator=generator)
+            router.weight.add_(scale * noise * router.weight.std())
+
+
+def _prepare(engine: TrainEngine, samples: list[TrainSample], record: bool = True) -> None:
+    for sample, old in zip(samples, engine.forward_log_probs(samples, record_routes=record)):
+        sample.old_log_probs = old
+
+
+def _expect_error(function, *fragments: str) -> None:
+    try:
+        function()
+    except (RoutingReplayError, ValueError) as error:
+        text = str(error)
+        assert all(f in text for f in fragments), (fragments, text)
+    else:
+        raise AssertionError(f"no error mentioning {fragments}")
+
+
+# ---------------------------------------------------------------------------------------------
+# One-process checks
+# ---------------------------------------------------------------------------------------------
+
+
+def check_recorded_routes_are_the_routes_used() -> None:
+    """R2 records ``[L - 1, M, K]`` uint8 per sample: exactly the experts the routers used."""
+    engine = _engine("r2")
+    samples = make_samples()
+    with capture_routing(engine) as calls:
+        _prepare(engine, samples)
+    flat = torch.cat([s.routed_experts for s in samples])
+    for sample in samples:
+        routes = sample.routed_experts
+        assert routes.dtype == torch.uint8, routes.dtype
+        assert routes.shape == (sample.tokens.numel() - 1, MOE_LAYERS, TOPK), routes.shape
+        assert sample.metadata[OLD_ROUTES_KEY] is routes
+    for m in range(MOE_LAYERS):
+        ((used, native),) = calls[m]
+        assert torch.equal(used, _as_map(flat[:, m])), m
+        assert torch.equal(used, _as_map(native)), m
+
+
+def check_r2_replays_recorded_routes_after_router_perturbation() -> None:
+    """After perturbing every router, R2 training forwards still use the recorded experts, and
+    routing_change_frac is the exact share of loss (token, layer) pairs whose native top-k set
+    moved (independent top-k of the router logits)."""
+    engine = _engine("r2")
+    samples = make_samples()
+    _prepare(engine, samples)
+    unchanged = engine.forward_backward(samples)
+    assert unchanged["routing_change_frac"] == 0.0, unchanged["routing_change_frac"]
+    assert unchanged["seq_log_ratio_abs_max"] == 0.0
+    _perturb_routers(engine)
+    with capture_routing(engine) as calls:
+        metrics = engine.forward_backward(samples)
+    flat = torch.cat([s.routed_experts for s in samples])
+    rows = _loss_rows(samples)
+    changed = 0
+    for m in range(MOE_LAYERS):
+        ((used, native),) = calls[m]
+        assert torch.equal(used, _as_map(flat[:, m])), f"layer {m} did not use the recorded routes"
+        moved = topk_sets_differ(native[rows], flat[rows, m])
+        changed += int(moved.sum())
+        expected = float(moved.double().mean())
+        assert abs(metrics[f"routing_change_frac/layer_{m}"] - expected) < 1e-12, (m, expected)
+    expected = changed / (rows.numel() * MOE_LAYERS)
+    assert expected > 0.05, expected
+    assert abs(metrics["routing_change_frac"] - expected) < 1e-12, (metrics, expected)
+    assert "routing_change_frac_vs_rollout" not in metrics
+
+
+def check_without_replay_perturbed_router_changes_routes() -> None:
+    """routing_replay=none: the perturbed routers route natively (away from the recorded
+    routes) and routing_change_frac sees exactly that share."""
+    engine = _engine("none")
+    samples = make_samples()
+    _prepare(engine, samples)
+    assert samples[0].routed_experts is None
+    old = torch.cat([s.metadata[OLD_ROUTES_KEY] for s in samples])
+    _perturb_routers(engine)
+    with capture_routing(engine) as calls:
+        metrics = engine.forward_backward(samples)
+    rows = _loss_rows(samples)
+    changed = 0
+    for m in range(MOE_LAYERS):
+        ((used, native),) = calls[m]
+        assert torch.equal(used, _as_map(native)), m
+        changed += int(topk_sets_differ(native[rows], old[rows, m]).sum())
+    expected = changed / (rows.numel() * MOE_LAYERS)
+    assert expected > 0.05, expected
+    assert abs(metrics["routing_change_frac"] - expected) < 1e-12, (metrics, expected)
+
+
+def check_r3_replay_forces_the_given_routes() -> None:
+    """R3 with random routes: the old-log-prob and training forwards use exactly those experts;
+    the log-probs differ from native routing; the training metrics compare with them."""
+    engine = _engine("r3")
+    samples = make_samples()
+    routes = random_routes(samples)
+    for sample, route in zip(samples, routes):
+        sample.routed_experts = route
+    with capture_routing(engine) as calls:
+        _prepare(engine, samples)
+    flat = torch.cat(routes)
+    for m in range(MOE_LAYERS):
+        ((used, _),) = calls[m]
+        assert torch.equal(used, _as_map(flat[:, m])), m
+    native = _engine("none").forward_log_probs(samples)
+    gap = max(
+        (a - b).abs().max().item() for a, b in zip(native, [s.old_log_probs for s in samples])
+    )
+    assert gap > 1e-3, gap
+    with capture_routing(engine) as calls:
+        metrics = engine.forward_backward(samples)
+    for m in range(MOE_LAYERS):
+        ((used, _),) = calls[m]
+        assert torch.equal(used, _as_map(flat[:, m])), m
+    assert metrics["seq_log_ratio_abs_max"] == 0.0
+    assert metrics["routing_change_frac"] == 0.0  # same weights: same native routes as the old
+    assert metrics["routing_change_frac_vs_rollout"] > 0.5, metrics  # random vs native
+
+
+def check_r3_log_probs_match_the_embedded_engine() -> None:
+    """Embedded engine with the trainer's weights (iter_hf_weights): under R3 the trainer's
+    recomputed log-probs equal the engine's to fp32 tolerance, and the trainer's native routes
+    agree with the rollout's."""
+    from megatron_gspo.engine.hf_weights import iter_hf_weights
+    from megatron_gspo.rollout.embedded import EmbeddedEngine
+    from megatron_gspo.rollout.types import GenerateRequest
+
+    engine = _engine("r3", model__init_std=0.2)
+    cfg = engine.cfg
+    rollout = EmbeddedEngine(cfg.model, seed=0)
+    rollout.sync_weights(iter_hf_weights(engine.policy_chunks, cfg), version=1)
+    requests = [
+        GenerateRequest(
+            input_ids=[(5 * i + 3 * j) % 60 + 1 for j in range(2 + i)],
+            max_new_tokens=6 + i,
+            temperature=cfg.rollout.temperature,
+            seed=100 + i,
+            return_routed_experts=True,
+        )
+        for i in range(6)
+    ]
+    samples = []
+    for request, result in zip(requests, rollout.generate(requests)):
+        samples.append(
+            TrainSample(
+                tokens=torch.tensor(list(request.input_ids) + result.output_ids),
+                prompt_length=len(request.input_ids),
+                advantages=torch.tensor(1.0),
+                rollout_log_probs=torch.from_numpy(result.output_log_probs),
+                routed_experts=torch.from_numpy(result.routed_experts),
+            )
+        )
+    rollout.close()
+    _prepare(engine, samples)
+    gap = max((s.old_log_probs - s.rollout_log_probs).abs().max().item() for s in samples)
+    assert gap < 2e-5, gap
+    moved = torch.cat(
+        [topk_sets_differ(s.metadata[OLD_ROUTES_KEY], s.routed_experts).view(-1) for s in samples]
+    )
+    assert float(moved.float().mean()) < 0.01, float(moved.float().mean())
+    metrics = engine.forward_backward(samples)
+    assert metrics["seq_log_ratio_abs_max"] == 0.0
+    assert metrics["routing_change_frac"] == 0.0
+    assert metrics["routing_change_frac_vs_rollout"] < 0.01
+
+
+def check_activation_recompute_replays_in_backward() -> None:
+    """Full recompute: the backward recomputation replays the same micro-batch's routes (FIFO),
+    so gradients equal those without recompute; native routing would differ."""
+    samples = make_samples()
+    for sample, route in zip(samples, random_routes(samples)):
+        sample.routed_experts = route
+    grads = {}
+    for name, mode, recompute in (
+        ("plain", "r3", False),
+        ("recompute", "r3", True),
+        ("native", "none", True),
+    ):
+        engine = _engine(mode, MICRO_BATCH_TOKENS, model__recompute_activations=recompute)
+        metrics = engine.forward_backward(samples)
+        assert metrics["num_micro_batches"] == 2.0
+        grads[name] = gather_full_state(engine.model, grads=True)
+        for replay in engine.routing.all_routers:
+            assert not replay.replay_backward_list and replay.router_replay_action is None
+    same = max(relative_error(grads["recompute"][n], grads["plain"][n]) for n in grads["plain"])
+    assert same < 1e-6, same
+    router = "decoder.layers.0.mlp.router.weight"
+    native = relative_error(grads["native"][router], grads["plain"][router])
+    assert native > 1e-2, native
+
+
+def check_reference_forward_never_replays() -> None:
+    """The KL reference model has no RouterReplay; its forward routes natively even while the
+    policy replays; Megatron's registry holds only the policy's instances."""
+    from megatron.core.transformer.moe.router_replay import RouterReplay
+
+    engine = _engine("r3", algo__use_kl_loss=True)
+    registry = RouterReplay.global_router_replay_instances
+    assert [id(r) for r in registry] == [id(r) for r in engine.routing.all_routers]
+    assert_reference_cannot_replay(engine.reference_model)
+    _expect_error(lambda: assert_reference_cannot_replay(engine.policy_chunks), "reference model")
+    samples = make_samples()
+    for sample, route in zip(samples, random_routes(samples)):
+        sample.routed_experts = route
+    reference = engine.forward_log_probs(samples, reference=True)
+    replayed = engine.forward_log_probs(samples)
+    native = _engine("none").forward_log_probs(samples)
+    assert all(torch.equal(a, b) for a, b in zip(reference, native))
+    assert any(not torch.equal(a, b) for a, b in zip(reference, replayed))
+    _expect_error(
+        lambda: engine.forward_log_probs(samples, reference=True, record_routes=True),
+        "record_routes",
+    )
+
+
+def check_missing_or_malformed_routes_are_rejected() -> None:
+    engine = _engine("r3")
+    samples = make_samples()
+    routes = random_routes(samples)
+
+    def attempt(index: int, value) -> None:
+        for sample, route in zip(samples, routes):
+            sample.routed_experts = route
+        samples[index].routed_experts = value
+        engine.forward_log_probs(samples)
+
+    _expect_error(lambda: attempt(3, None), "sample 3", "missing", "return_routed_experts")
+    longer = torch.cat([routes[2], routes[2][:1]])
+    _expect_error(lambda: attempt(2, longer), "sample 2", "shape", "L - 1")
+    out_of_range = routes[4].clone()
+    out_of_range[1, 2, 0] = NUM_EXPERTS
+    _expect_error(lambda: attempt(4, out_of_range), "sample 4", "outside")
+    duplicate = routes[5].clone()
+    duplicate[0, 1] = duplicate[0, 1, 0]
+    _expect_error(lambda: attempt(5, duplicate), "sample 5", "repeat", "token 0, MoE layer 1")
+    for replay in engine.routing.all_routers:
+        assert replay.router_replay_action is None and replay.target_topk_idx is None
+    attempt(0, routes[0])  # everything valid again: works
+    r2 = _engine("r2")
+    samples = make_samples()
+    _expect_error(lambda: r2.forward_backward(samples), "sample 0", "missing", "record_routes")
+
+
+def check_routes_not_consumed_exactly_once_raise() -> None:
+    """A layer that did not route, routed twice, or left routes for a backward recomputation that
+    never came: each raises, and the routers are reset afterwards."""
+    engine = _engine("r3", model__recompute_activations=True)
+    samples = make_samples()
+    for sample, route in zip(samples, random_routes(samples)):
+        sample.routed_experts = route
+    parallel = engine.parallel
+
+    def micro_batches():
+        return build_micro_batches(
+            samples,
+            engine._plan(samples),
+            lengths=global_denominators(samples).lengths,
+            multiple=engine.multiple,
+            cp_size=parallel.cp,
+            cp_rank=parallel.cp_rank,
+            with_loss_inputs=False,
+        )
+
+    chunk = engine.model[0]
+    router = engine.policy_chunks[0].decoder.layers[1].mlp.router
+
+    def not_consumed():
+        batch = micro_batches()
+        with engine.routing.old_policy_pass(samples, batch, record=False) as routing:
+            routing.before_forward(chunk, batch[0])
+            routing.after_forward(chunk, batch[0])
+
+    _expect_error(not_consumed, "decoder layer 0", "did not consume")
+
+    def twice():
+        batch = micro_batches()
+        hidden = torch.randn(batch[0].packed.num_tokens, 1, 64)
+        with engine.routing.old_policy_pass(samples, batch, record=False) as routing:
+            routing.before_forward(chunk, batch[0])
+            router(hidden)
+            router(hidden)
+
+    _expect_error(twice, "decoder layer 1", "routed twice")
+
+    def backward_never_ran():
+        batch = micro_batches()
+        with (
+            engine.routing.training_pass(samples, batch, backward=True) as routing,
+            torch.no_grad(),
+        ):
+            engine._run_schedule(
+                engine.model,
+                batch,
+                lambda micro_batch, hidden: (hidden.sum() * 0.0, {}),
+                forward_only=True,
+                routing=routing,
+            )
+
+    _expect_error(backward_never_ran, "not consumed by the backward recomputation")
+
+    def recompute_without_routes():
+        from megatron.core.transformer.moe.router_replay import RouterReplayAction
+
+        router.router_replay.set_router_replay_action(RouterReplayAction.REPLAY_BACKWARD)
+        try:
+            router(torch.randn(5, 1, 64))
+        finally:
+            router.router_replay.reset()
+
+    _expect_error(recompute_without_routes, "decoder layer 1", "no replayed routes left")
+    for replay in engine.routing.all_routers:
+        assert replay.router_replay_action is None and not replay.replay_backward_list
+    metrics = engine.forward_backward(samples)  # and the engine still trains
+    assert metrics["seq_log_ratio_abs_max"] >= 0.0
+
+
+CHECKS = {name[len("check_") :]: fn for name, fn in globals().items() if name.startswith("check_")}
+
+
+def checks_mode() -> None:
+    results = {}
+    for name, check in CHECKS.items():
+        try:
+            check()
+            results[name] = "ok"
+        except Exception:
+            results[name] = traceback.format_exc(limit=6)
+    print(json.dumps(results))
+
+
+# ---------------------------------------------------------------------------------------------
+# Layouts
+# ---------------------------------------------------------------------------------------------
+
+
+def run_layout(mode: str, layout: str) -> dict:
+    """Old-log-prob forward (R2: record; R3: replay random routes and record), then a training
+    forward/backward that replays random routes, then one with a single sample (a filler
+    micro-batch on the other data-parallel ranks)."""
+    if dist.is_initialized():
+        destroy_parallel(destroy_process_group=False)
+    engine = TrainEngine(_config(mode, layout, MICRO_BATCH_TOKENS))
+    samples = make_samples()
+    routes = random_routes(samples)
+    if mode == "r3":
+        for sample, route in zip(samples, routes):
+            sample.routed_experts = route
+    _prepare(engine, samples)
+    recorded = [s.metadata[OLD_ROUTES_KEY] for s in samples]
+    log_probs = [s.old_log_probs for s in samples]
+    for sample, route in zip(samples, routes):
+        sample.routed_experts = route  # R2 replays routed_experts: make them far from native
+    metrics = engine.forward_backward(samples)
+    grads = gather_full_state(engine.model, grads=True)
+    single = engine.forward_backward(samples[:1])
+    return dict(recorded=recorded, log_probs=log_probs, metrics=metrics, grads=grads, single=single)
+
+
+def compare_layout(result: dict, reference: dict) -> dict:
+    report = {}
+    report["recorded_equal"] = all(
+        torch.equal(a, b) for a, b in zip(result["recorded"], reference["recorded"])
+    )
+    report["log_probs_max_abs"] = max(
+        (a - b).abs().max().item() for a, b in zip(result["log_probs"], reference["log_probs"])
+    )
+    report["grad_max_rel"] = max(
+        relative_error(result["grads"][n], reference["grads"][n]) for n in result["grads"]
+    )
+    names = [n for n in reference["metrics"] if n.startswith("routing_change") or n == "loss"]
+    report["metric_abs"] = {
+        n: abs(result["metrics"].get(n, float("nan")) - reference["metrics"][n]) for n in names
+    }
+    report["metrics"] = {n: result["metrics"].get(n) for n in names}
+    report["single_loss_rel"] = abs(result["single"]["loss"] - reference["single"]["loss"]) / abs(
+        reference["single"]["loss"]
+    )
+    return report
+
+
+def reference_mode(out: Path, modes: list[str]) -> None:
+    for mode in modes:
+        torch.save(run_layout(mode, ""), out / f"reference_{mode}.pt")
+
+
+def layout_mode(out: Path, runs: list[str]) -> None:
+    rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", 0))
+    reports = {}
+    for run in runs:
+        mode, layout = run.split(":")
+        reference = torch.load(out / f"reference_{mode}.pt", weights_only=False)
+        reports[run] = compare_layout(run_layout(mode, layout), reference)
+    (out / f"rank{rank}.json").write_text(json.dumps(reports, indent=1))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--checks", action="store_true")
+    parser.add_argument("--out", type=Path)
+    parser.add_argument("--reference", nargs="*", default=None, help="modes to compute")
+    parser.add_argument("--runs", nargs="*", default=[], help="mode:layout to compare")
+    args = parser.parse_args()
+    if args.checks:
+        checks_mode()
+    elif args.reference is not None:
+        args.out.mkdir(parents=True, exist_ok=True)
+        reference_mode(args.out, args.reference)
+    else:
+        layout_mode(args.out, args.runs)
+    if dist.is_initialized():
+        destroy_parallel()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
