@@ -1,7 +1,10 @@
 """Hugging Face ``transformers`` config of a :class:`~megatron_gspo.config.ModelConfig`.
 
-One function builds the HF config that describes the same network as the Megatron model: the
-embedded rollout engine instantiates it, and checkpoint export writes it as ``config.json``.
+:func:`hf_config_kwargs` / :func:`hf_config_from_model_config` build the HF config that describes
+the same network as the Megatron model (the embedded rollout engine instantiates it);
+:func:`hf_config_dict` is the ``config.json`` an export writes (both transformers 4 and 5
+spellings); :func:`model_config_from_hf` / :func:`resolve_model_config` read a ``config.json``
+back into a :class:`ModelConfig` (``model.hf_path``).
 
 Field correspondence (ours -> HF):
 

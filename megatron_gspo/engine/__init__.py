@@ -13,7 +13,9 @@ Modules: ``compat`` (CPU shims, version checks), ``parallel`` (process groups), 
 (TransformerConfig, layer spec, PolicyModel, DDP), ``sharding`` (global names, full <-> local,
 seed init), ``attention`` (CPU THD / context-parallel core attention), ``packing`` (THD packing,
 data- and context-parallel splits), ``batches`` (TrainSample -> micro-batches), ``train_step``
-(TrainEngine), ``logprobs`` (vocab-parallel log-probs).
+(TrainEngine), ``logprobs`` (vocab-parallel log-probs), ``checkpoint`` + ``optimizer_state``
+(distributed checkpoints), ``routing_replay`` (R2/R3 on Megatron's RouterReplay, routing-change
+metrics), ``hf_weights`` (Hugging Face weights in and out).
 """
 
 from __future__ import annotations
@@ -46,6 +48,13 @@ _EXPORTS = {
     "build_optimizer": "train_step",
     "build_scheduler": "train_step",
     "vocab_parallel_log_probs": "logprobs",
+    "save_checkpoint": "checkpoint",
+    "load_checkpoint": "checkpoint",
+    "latest_checkpoint": "checkpoint",
+    "load_weights_only": "checkpoint",
+    "CheckpointError": "checkpoint",
+    "PolicyRouting": "routing_replay",
+    "RoutingReplayError": "routing_replay",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -75,8 +75,9 @@ def build_optimizer(cfg: TrainConfig, model: Sequence[torch.nn.Module]):
     """Megatron AdamW (distributed optimizer when ``parallel.use_distributed_optimizer``) with
     global grad-norm clipping ``optim.clip_grad``.
 
-    Note (megatron-core 0.16.1): resuming the distributed optimizer's state from a checkpoint
-    does not restore Adam exactly (``reference/megatron-cpu.md``); training with it is exact.
+    Checkpoints do not use Megatron's optimizer ``sharded_state_dict`` (whose distributed
+    variants do not resume exactly on megatron-core 0.16.1): ``engine/optimizer_state.py`` saves
+    the Adam state sharded like the parameters, so both optimizers resume exactly at any layout.
     """
     optim = cfg.optim
     bf16 = cfg.model.dtype == "bfloat16"
