@@ -206,6 +206,10 @@ class ParallelConfig:
     """Shard optimizer state over data parallel (Megatron's distributed optimizer)."""
     moe_token_dispatcher: str = "alltoall"
     """Megatron MoE token dispatcher: alltoall or allgather."""
+    collective_timeout_minutes: float = 30.0
+    """How long a collective may wait for a peer before the run fails (a frozen node otherwise
+    hangs every other rank). Must exceed the longest rollout, evaluation or checkpoint on the
+    driver, during which the other ranks wait in a broadcast."""
 
     def __post_init__(self) -> None:
         for name in ("tp", "pp", "ep", "etp", "cp", "micro_batch_tokens"):
@@ -224,6 +228,7 @@ class ParallelConfig:
                 "virtual stages interleave chunks between pipeline ranks",
                 "set parallel.pp >= 2 or parallel.vpp=null",
             )
+        _check_positive("parallel.collective_timeout_minutes", self.collective_timeout_minutes)
         _check_choice(
             "parallel.moe_token_dispatcher",
             self.moe_token_dispatcher,

@@ -196,6 +196,7 @@ def rollout_metrics(samples: list[TrainSample]) -> dict[str, float]:
         "reward_max": float(rewards.max()),
         "response_len_mean": float(lengths.mean()),
         "response_len_max": float(lengths.max()),
+        "prompt_len_mean": sum(s.prompt_length for s in samples) / len(samples),
         "num_samples": float(len(samples)),
     }
     for reason, count in finish.items():

@@ -20,6 +20,8 @@ import argparse
 import logging
 import os
 import sys
+import threading
+import time
 
 import yaml
 
@@ -50,6 +52,33 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+def exit_with_agent(rank: int, poll_seconds: float = 1.0) -> None:
+    """Under torchrun, end this worker when its agent dies.
+
+    torchrun starts every worker in a session of its own, so a SIGKILLed agent (or its process
+    group) leaves the workers running unsupervised: the run goes on half-alive, and the other
+    node's agent waits at its exit barrier (300 s) or for the collective timeout. A worker that
+    finds itself re-parented exits instead, so the other ranks' next collective fails at once
+    (gloo: connection reset by peer) and their agents report the failure.
+    """
+    if "TORCHELASTIC_RUN_ID" not in os.environ:
+        return
+    agent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == agent:
+            time.sleep(poll_seconds)
+        print(
+            f"[rank{rank}] the torchrun agent (pid {agent}) is gone: exiting so that the other "
+            "ranks stop instead of waiting on this one",
+            file=sys.stderr,
+            flush=True,
+        )
+        os._exit(1)  # from a thread: the main thread may sit in a collective that never returns
+
+    threading.Thread(target=watch, name="exit-with-agent", daemon=True).start()
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     rank = int(os.environ.get("RANK", "0"))
@@ -70,6 +99,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from megatron_gspo.loop import run
 
+    exit_with_agent(rank)
     try:
         run(config)
     except ConfigError as error:

@@ -166,7 +166,9 @@ class TrainEngine:
         copies) and the reference model copy are made. To change weights later, go through
         the checkpoint loader, then :meth:`copy_policy_to_reference` if needed."""
         self.cfg = cfg
-        self.parallel = parallel or initialize_parallel(cfg.parallel, cfg.seed)
+        self.parallel = parallel or initialize_parallel(
+            cfg.parallel, cfg.seed, timeout_minutes=cfg.parallel.collective_timeout_minutes
+        )
         chunks = build_policy_model(cfg, self.parallel)
         initialize_weights_from_seed(chunks, cfg.seed, cfg.model.init_std)
         # The policy's RouterReplay instances, found by walking its chunks (routing_replay.py).

@@ -1,0 +1,23 @@
+"""One-process reference runs shared by the end-to-end tests (each costs ~15 s of start-up).
+
+The GSPO reference runs three steps so that the kill-and-resume test can compare two steps
+after a restart; every other comparison uses its first two.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from .harness import GRPO, TINY, Launch, run_train
+
+
+@pytest.fixture(scope="session")
+def gspo_run(tmp_path_factory) -> Launch:
+    """GSPO (the default loss), old log-probs recomputed, in-process embedded rollout engine."""
+    return run_train(tmp_path_factory.mktemp("gspo") / "out", ["steps=3", *TINY])
+
+
+@pytest.fixture(scope="session")
+def grpo_run(tmp_path_factory) -> Launch:
+    """GRPO: token-level ratios clipped to [0.8, 1.27]."""
+    return run_train(tmp_path_factory.mktemp("grpo") / "out", ["steps=2", *TINY, *GRPO])

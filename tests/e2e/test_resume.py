@@ -1,0 +1,70 @@
+"""Kill a run with SIGKILL right after a step is logged, resume it, and get the uninterrupted run.
+
+``checkpoint.interval=1`` saves before the step's metrics are written, so once step ``k`` is in
+``metrics.jsonl`` the checkpoint after it is complete; the resumed run must then reproduce every
+later step exactly: same rollouts (sampling seeds derive from the step), same prompt stream
+position, same optimizer state and reward statistics.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from .harness import (
+    LAYOUT_DEPENDENT,
+    TINY,
+    assert_records_close,
+    assert_records_equal,
+    assert_required_metrics,
+    run_train,
+    start,
+    train_command,
+    wait_for_step,
+)
+
+KILLED_AFTER_STEP = 0
+
+
+def kill_and_resume(output_dir, overrides, nproc):
+    """Run 3 steps, SIGKILL every process once step 0 is logged, resume; return the records and
+    the step the resumed run started from."""
+    overrides = ["steps=3", *TINY, "checkpoint.interval=1", f"output_dir={output_dir}", *overrides]
+    first = start(train_command(overrides, nproc=nproc), output_dir, "first.log")
+    try:
+        wait_for_step([first], output_dir, KILLED_AFTER_STEP, timeout=240)
+        first.remember_tree()  # torchrun's workers, while they are still its children
+    finally:
+        first.kill()
+    assert list((output_dir / "checkpoints").glob("step_*")), "no checkpoint before the kill"
+    resumed = run_train(output_dir, [*overrides, "resume=true"], nproc=nproc, timeout=240)
+    match = re.search(r"resuming from \S+step_0*(\d+)", resumed.log)  # stages.resume_checkpoint
+    assert match, f"no resume message in the log:\n{resumed.log[-3000:]}"
+    start_step = int(match.group(1))
+    assert KILLED_AFTER_STEP < start_step < 3, start_step
+    return resumed.metrics(), start_step
+
+
+def test_kill_and_resume_one_process(gspo_run, tmp_path):
+    records, start_step = kill_and_resume(tmp_path / "out", [], nproc=1)
+    # Steps before the restart come from the killed run, later ones from the resumed run; the
+    # file holds each step once.
+    assert_required_metrics(records, steps=3)
+    for reference, actual in zip(gspo_run.metrics(), records):
+        assert_records_equal(reference, actual)
+    assert start_step >= 1
+
+
+@pytest.mark.distributed
+def test_kill_and_resume_two_processes(gspo_run, tmp_path):
+    """Expert and data parallel (ep2 x dp2) under torchrun: workers and agent killed together."""
+    records, _ = kill_and_resume(tmp_path / "out", ["parallel.ep=2"], nproc=2)
+    assert_required_metrics(records, steps=3)
+    reference = gspo_run.metrics()
+    assert_records_close(reference[0], records[0], rtol=1e-5, atol=1e-6, skip=LAYOUT_DEPENDENT)
+    for old, new in zip(reference[1:], records[1:]):
+        for key in ("reward_mean", "response_len_mean", "routing_change_frac"):
+            assert new[key] == old[key], (new["step"], key)
+        for key in ("policy_loss", "grad_norm", "entropy"):
+            assert new[key] == pytest.approx(old[key], rel=1e-4, abs=1e-6), (new["step"], key)
