@@ -3,7 +3,11 @@
 Each prompt is ``NUM_DIGITS`` = 8 uniformly random digit tokens followed by ``<sep>``; the answer
 is 8 digits the policy must emit, then ``<eos>``:
 
+- ``digit_copy``: the prompt's digits in the same order (``31415926<sep>`` -> ``31415926<eos>``);
+  every answer digit sits at the same distance behind it, which a rotary-position attention head
+  learns quickly (the CPU demo's task);
 - ``digit_reversal``: the prompt's digits in reverse order (``31415926<sep>`` -> ``62951413<eos>``);
+  answer digit j sits 2j + 1 tokens back, a different offset per position, so it is much harder;
 - ``digit_sort``: the prompt's digits in ascending order (``31415926<sep>`` -> ``11234569<eos>``).
 
 Reward (:func:`score_digit_response`; the TRL benchmark uses the same definition)::
@@ -36,7 +40,7 @@ def _reverse(digits: Sequence[int]) -> list[int]:
     return list(reversed(digits))
 
 
-SYNTHETIC_TASKS = {"digit_reversal": _reverse, "digit_sort": sorted}
+SYNTHETIC_TASKS = {"digit_copy": list, "digit_reversal": _reverse, "digit_sort": sorted}
 """Task name -> function from the prompt's digits to the answer's digits."""
 
 

@@ -31,6 +31,7 @@ TINY = (
     "algo.num_return_sequences_in_group=4",
     "algo.num_mini_batches=2",
     "algo.response_length=8",
+    "sft_warmup_steps=0",
     "logging.progress_bar=false",
 )
 """Overrides that make a step take about a second on one core (8 samples of at most 8 tokens)."""
