@@ -63,6 +63,7 @@ VARIANTS: dict[str, list[str]] = {
 COMMON = ["algo.old_log_prob_source=recompute", "logging.progress_bar=false"]
 QUICK = [
     "steps=6",
+    "sft_warmup_steps=10",
     "algo.rollout_batch_size=4",
     "algo.num_return_sequences_in_group=4",
     "algo.num_mini_batches=4",
@@ -101,7 +102,8 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument(
         "--quick",
         action="store_true",
-        help="a few minutes on CPU: 6 steps of the tiny demo with 4 prompts x 4 samples",
+        help="a few minutes on CPU: 6 steps of the tiny demo with 4 prompts x 4 samples "
+        "after a 10-step cold start",
     )
     parser.add_argument(
         "--launcher",
