@@ -24,7 +24,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Callable, Sequence
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from functools import partial
 from typing import Any, Optional
 
@@ -219,6 +219,25 @@ class TrainEngine:
                 assert name == other, (name, other)
                 target.copy_(source)
             reference.requires_grad_(False)
+        self._offload_reference()
+
+    def _offload_reference(self) -> None:
+        """On GPU the frozen reference lives in host memory between its forwards, so that it
+        costs no device memory during rollouts and updates (it has no optimizer state)."""
+        if self.reference_model is not None and cuda_available():
+            for chunk in self.reference_model:
+                chunk.to("cpu")
+            torch.cuda.empty_cache()
+
+    @contextmanager
+    def _reference_on_device(self):
+        if cuda_available():
+            for chunk in self.reference_model:
+                chunk.to(self.parallel.device)
+        try:
+            yield
+        finally:
+            self._offload_reference()
 
     def _plan(self, samples: Sequence[TrainSample]) -> list[list[int]]:
         plan = plan_mini_batch(
@@ -350,7 +369,8 @@ class TrainEngine:
         routing = nullcontext()
         if self.routing is not None and not reference:
             routing = self.routing.old_policy_pass(samples, micro_batches, record=record_routes)
-        with routing as routing_pass, torch.no_grad():
+        placement = self._reference_on_device() if reference else nullcontext()
+        with placement, routing as routing_pass, torch.no_grad():
             self._run_schedule(
                 model, micro_batches, loss_func, forward_only=True, routing=routing_pass
             )
