@@ -102,6 +102,8 @@ def main() -> None:
     from megatron_gspo.engine.model import build_policy_model
     from megatron_gspo.engine.parallel import destroy_parallel, initialize_parallel
     from megatron_gspo.engine.train_step import TrainEngine
+    from megatron_gspo.rollout import sync_weights_paused
+    from megatron_gspo.rollout.embedded import EmbeddedEngine
 
     try:
         for run in args.plan:
@@ -133,6 +135,17 @@ def main() -> None:
                 assert hf_name not in received, f"{hf_name} streamed twice"
                 received[hf_name] = tensor.clone()
             result["hf_weights"] = received
+            # The weight sync of the RL loop: the gathered stream goes into the rollout engine,
+            # whose weights must then equal the trainer's bit for bit.
+            rollout_engine = EmbeddedEngine(model, seed=1)
+            streamed = iter_hf_weights(chunks, cfg, dst=0)
+            if state.rank == 0:
+                stats = sync_weights_paused(rollout_engine, streamed, version=1)
+                result["engine_weights"] = {k: v.clone() for k, v in rollout_engine.hf_state()}
+                result["sync_stats"] = {"tensors": stats.num_tensors, "bytes": stats.num_bytes}
+            else:
+                for _ in streamed:  # gathering is collective: every rank drains the stream
+                    pass
             export_hf_checkpoint(
                 chunks, cfg, str(args.out / f"{name}_live_export"), origin_hf=str(hf_dir)
             )

@@ -116,6 +116,14 @@ def check_run(
     for name, tensor in hf_state.items():
         assert torch.equal(streamed[name], tensor), f"{architecture}: streamed {name} differs"
 
+    # After a weight sync, the rollout engine holds exactly the trainer's weights.
+    engine_weights = result["engine_weights"]
+    assert sorted(engine_weights) == sorted(hf_state)
+    for name, tensor in hf_state.items():
+        assert torch.equal(engine_weights[name], tensor), f"{architecture}: synced {name} differs"
+    model_bytes = sum(t.numel() * t.element_size() for t in hf_state.values())
+    assert result["sync_stats"] == {"tensors": len(hf_state), "bytes": model_bytes}
+
     with HFCheckpointReader(str(out / f"{run_name}_live_export")) as reader:
         assert sorted(reader.names()) == sorted(hf_state)
         for name, tensor in hf_state.items():
