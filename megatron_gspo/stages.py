@@ -269,11 +269,12 @@ def sft_warmup(engine, task: Optional[Task], cfg: TrainConfig, broadcast) -> dic
             prompts = task.stream.next_batch(cfg.algo.rollout_batch_size)
             samples = [_reference_sample(prompt, task) for prompt in prompts]
         samples = broadcast(samples)
-        log_probs = engine.forward_log_probs(samples)
-        for sample, values in zip(samples, log_probs):
-            sample.old_log_probs = values
-        nll.append(float(-torch.cat(log_probs).mean()))
-        engine.train_step(samples)
+        with engine.native_routing():  # reference answers have no routes to replay
+            log_probs = engine.forward_log_probs(samples)
+            for sample, values in zip(samples, log_probs):
+                sample.old_log_probs = values
+            nll.append(float(-torch.cat(log_probs).mean()))
+            engine.train_step(samples)
     if nll:
         logger.info("SFT warm-up: %d steps, NLL/token %.4f -> %.4f", len(nll), nll[0], nll[-1])
         return {"sft_warmup_nll_first": nll[0], "sft_warmup_nll_last": nll[-1]}

@@ -221,6 +221,20 @@ class TrainEngine:
             reference.requires_grad_(False)
         self._offload_reference()
 
+    @contextmanager
+    def native_routing(self):
+        """Route natively inside the block (no replay, no routing metrics): for supervised
+        steps, whose samples carry neither rollout nor recorded routes."""
+        if self.routing is None:
+            yield
+            return
+        saved = self.routing.mode, self.routing.measure
+        self.routing.mode, self.routing.measure = "none", False
+        try:
+            yield
+        finally:
+            self.routing.mode, self.routing.measure = saved
+
     def _offload_reference(self) -> None:
         """On GPU the frozen reference lives in host memory between its forwards, so that it
         costs no device memory during rollouts and updates (it has no optimizer state)."""
