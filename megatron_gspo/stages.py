@@ -273,6 +273,11 @@ def sft_warmup(engine, task: Optional[Task], cfg: TrainConfig, broadcast) -> dic
             log_probs = engine.forward_log_probs(samples)
             for sample, values in zip(samples, log_probs):
                 sample.old_log_probs = values
+            if cfg.algo.needs_reference_model:  # the KL loss term needs them
+                for sample, values in zip(
+                    samples, engine.forward_log_probs(samples, reference=True)
+                ):
+                    sample.ref_log_probs = values
             nll.append(float(-torch.cat(log_probs).mean()))
             engine.train_step(samples)
     if nll:

@@ -59,6 +59,8 @@ class _Sample:
 
     request: GenerateRequest
     seed: int
+    length_limit: int
+    """Most tokens it may generate: ``max_new_tokens``, or less near ``max_positions``."""
     output_ids: list[int] = field(default_factory=list)
     log_probs: list[float] = field(default_factory=list)
     routes: list[torch.Tensor] = field(default_factory=list)
@@ -71,6 +73,19 @@ class _Sample:
     @property
     def prompt_length(self) -> int:
         return len(self.request.input_ids)
+
+
+def _early_stop_mask(batch: Sequence[_Sample], vocab_size: int) -> Optional[torch.Tensor]:
+    """``[B, V]`` bool, True at the stop tokens of rows with ``min_new_tokens > 0`` (None when no
+    row has one): what SGLang's ``min_new_tokens`` forbids while a row is still short of it."""
+    if not any(sample.request.min_new_tokens for sample in batch):
+        return None
+    mask = torch.zeros(len(batch), vocab_size, dtype=torch.bool)
+    for row, sample in enumerate(batch):
+        if sample.request.min_new_tokens:
+            tokens = [t for t in sample.request.stop_token_ids if t < vocab_size]
+            mask[row, tokens] = True
+    return mask
 
 
 class EmbeddedEngine(RolloutEngine):
@@ -289,7 +304,8 @@ class EmbeddedEngine(RolloutEngine):
                 f"{self.model_config.architecture} model"
             )
         seed = request.seed if request.seed is not None else self._seed_rng.getrandbits(63)
-        return _Sample(request=request, seed=seed)
+        limit = min(request.max_new_tokens, self.max_positions - prompt_length)
+        return _Sample(request=request, seed=seed, length_limit=limit)
 
     def _enter_generate(self, request_ids: list[str]) -> None:
         with self._state:
@@ -312,18 +328,24 @@ class EmbeddedEngine(RolloutEngine):
             self._aborted_ids.difference_update(request_ids)
             self._state.notify_all()
 
-    def _abort_reason(self, sample: _Sample, epoch: int) -> Optional[str]:
-        """Why ``sample`` must stop now, or None; waits here while paused in place."""
+    def _abort_reasons(self, samples: Sequence[_Sample], epoch: int) -> list[Optional[str]]:
+        """Why each sample must stop now, or None; waits here while paused in place. One lock
+        per decode step (not per sample): the check runs before every token."""
         with self._state:
             while self._paused == "in_place" and self._abort_epoch == epoch:
                 self._state.wait()
             if self._abort_epoch != epoch:
-                return "Aborted by pause_generation or abort_all" if self._paused else "Aborted"
-            request_id = sample.request.request_id
-            parent_id = request_id.rsplit("/", 1)[0]
-            if request_id in self._aborted_ids or parent_id in self._aborted_ids:
-                return "Aborted by abort_request"
-        return None
+                reason = "Aborted by pause_generation or abort_all" if self._paused else "Aborted"
+                return [reason] * len(samples)
+            if not self._aborted_ids:
+                return [None] * len(samples)
+            reasons: list[Optional[str]] = []
+            for sample in samples:
+                request_id = sample.request.request_id
+                parent_id = request_id.rsplit("/", 1)[0]
+                aborted = request_id in self._aborted_ids or parent_id in self._aborted_ids
+                reasons.append("Aborted by abort_request" if aborted else None)
+            return reasons
 
     def _forward(
         self, input_ids, attention_mask, position_ids, cache, want_routes: bool
@@ -367,6 +389,9 @@ class EmbeddedEngine(RolloutEngine):
         top_p = torch.tensor([s.request.top_p for s in batch], dtype=torch.float32)
         top_k = torch.tensor([s.request.top_k for s in batch], dtype=torch.long)
         generators = [torch.Generator().manual_seed(s.seed) for s in batch]
+        prompt_lengths = torch.tensor([s.prompt_length for s in batch], dtype=torch.long)
+        min_new_tokens = torch.tensor([s.request.min_new_tokens for s in batch])
+        early_stops = _early_stop_mask(batch, self.vocab_size)
         want_routes = any(s.request.return_routed_experts for s in batch)
         cache = DynamicCache(config=self.hf_model.config)
 
@@ -379,18 +404,28 @@ class EmbeddedEngine(RolloutEngine):
                 sample.routes.append(routes[row, padded_length - sample.prompt_length :])
 
         live = list(batch)
+        # Rows decode in lockstep (one token per live row per step; finished rows leave), so
+        # every live row has generated exactly ``generated`` tokens.
+        generated = 0
         while live:
-            for sample in live:
-                reason = self._abort_reason(sample, epoch)
+            for sample, reason in zip(live, self._abort_reasons(live, epoch)):
                 if reason is not None:
                     sample.finish_reason, sample.abort_message = "abort", reason
             running = [row for row, sample in enumerate(live) if sample.finish_reason is None]
             if running:
                 log_probs = temperature_log_probs(logits, temperatures)
-                tokens = sample_tokens(log_probs, temperatures, top_p, top_k, generators)
+                sampling_log_probs = log_probs
+                if early_stops is not None and bool((min_new_tokens > generated).any()):
+                    # Only sampling sees the mask; the reported log-probs stay the full ones.
+                    suppress = early_stops & (min_new_tokens > generated).unsqueeze(1)
+                    sampling_log_probs = log_probs.masked_fill(suppress, float("-inf"))
+                tokens = sample_tokens(sampling_log_probs, temperatures, top_p, top_k, generators)
+                # One conversion per step instead of one tensor index per row.
+                token_list = tokens.tolist()
+                chosen = log_probs.gather(1, tokens.unsqueeze(1)).squeeze(1).tolist()
                 for row in running:
-                    token = int(tokens[row])
-                    self._append_token(live[row], token, float(log_probs[row, token]))
+                    self._append_token(live[row], token_list[row], chosen[row])
+                generated += 1
             keep = [row for row, sample in enumerate(live) if sample.finish_reason is None]
             if not keep:
                 break
@@ -400,15 +435,16 @@ class EmbeddedEngine(RolloutEngine):
                 cache.batch_select_indices(index)
                 attention_mask, tokens = attention_mask[index], tokens[index]
                 temperatures, top_p, top_k = temperatures[index], top_p[index], top_k[index]
+                prompt_lengths, min_new_tokens = prompt_lengths[index], min_new_tokens[index]
+                if early_stops is not None:
+                    early_stops = early_stops[index]
                 generators = [generators[row] for row in keep]
                 live = [live[row] for row in keep]
             attention_mask = torch.cat(
                 [attention_mask, torch.ones(len(live), 1, dtype=torch.long)], dim=1
             )
             # The token just sampled sits at position prompt_length + generated - 1.
-            position_ids = torch.tensor(
-                [[s.prompt_length + len(s.output_ids) - 1] for s in live], dtype=torch.long
-            )
+            position_ids = (prompt_lengths + (generated - 1)).unsqueeze(1)
             logits, version, routes = self._forward(
                 tokens.unsqueeze(1), attention_mask, position_ids, cache, want_routes
             )
@@ -418,15 +454,11 @@ class EmbeddedEngine(RolloutEngine):
                     sample.routes.append(routes[row])
 
     def _append_token(self, sample: _Sample, token: int, log_prob: float) -> None:
-        request = sample.request
         sample.output_ids.append(token)
         sample.log_probs.append(log_prob)
-        if token in request.stop_token_ids:
+        if token in sample.request.stop_token_ids:
             sample.finish_reason, sample.matched_stop_token = "stop", token
-        elif (
-            len(sample.output_ids) >= request.max_new_tokens
-            or sample.prompt_length + len(sample.output_ids) >= self.max_positions
-        ):
+        elif len(sample.output_ids) >= sample.length_limit:
             sample.finish_reason = "length"
 
     def _result(self, sample: _Sample) -> GenerateResult:

@@ -73,13 +73,18 @@ def sample_tokens(
     if not sampled_rows:
         return tokens
     rows = torch.tensor(sampled_rows, device=log_probs.device)
-    probs = log_probs[rows].exp()
-    probs = probs * truncation_mask(probs, top_p[rows], top_k[rows])
+    # At a 150k vocabulary every [B, V] copy is tens of MB: no row gather when all rows sample,
+    # and the noise division below runs in place.
+    probs = (log_probs if len(sampled_rows) == len(log_probs) else log_probs[rows]).exp()
+    vocab = probs.shape[-1]
+    row_top_p, row_top_k = top_p[rows], top_k[rows]
+    if bool((row_top_p < 1).any()) or bool(((row_top_k > 0) & (row_top_k < vocab)).any()):
+        # The mask keeps everything without truncation: skip its vocabulary sort.
+        probs = probs * truncation_mask(probs, row_top_p, row_top_k)
+    # Noise drawn on CPU from each row's own stream, one row at a time: identical for the same
+    # seed whatever the batch, and independent of the device the logits live on.
+    noise = torch.empty(len(sampled_rows), vocab, dtype=torch.float32)
     for position, row in enumerate(sampled_rows):
-        # Noise drawn on CPU from the row's own stream: identical for the same seed whatever
-        # the batch, and independent of the device the logits live on.
-        noise = torch.empty(probs.shape[-1], dtype=torch.float32).exponential_(
-            generator=generators[row]
-        )
-        tokens[row] = (probs[position].cpu() / noise).argmax()
+        noise[position].exponential_(generator=generators[row])
+    tokens[rows] = probs.cpu().div_(noise).argmax(dim=-1).to(tokens.device)
     return tokens

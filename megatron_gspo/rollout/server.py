@@ -57,9 +57,8 @@ _GENERATE_KEYS = {
 # neutral value (anything else is refused rather than silently ignored).
 _SAMPLING_KEYS = {"max_new_tokens", "temperature", "top_p", "top_k", "n", "stop_token_ids"}
 _SAMPLING_KEYS |= {"sampling_seed", "no_stop_trim", "skip_special_tokens"}
-_SAMPLING_KEYS |= {"spaces_between_special_tokens", "ignore_eos"}
+_SAMPLING_KEYS |= {"spaces_between_special_tokens", "ignore_eos", "min_new_tokens"}
 _NEUTRAL_SAMPLING = {
-    "min_new_tokens": 0,
     "min_p": 0.0,
     "frequency_penalty": 0.0,
     "presence_penalty": 0.0,
@@ -112,6 +111,7 @@ def _sampling_request(
             top_p=float(params.get("top_p", 1.0)),
             top_k=int(params.get("top_k", -1)),
             stop_token_ids=params.get("stop_token_ids") or (),
+            min_new_tokens=int(params.get("min_new_tokens") or 0),
             seed=params.get("sampling_seed"),
             return_logprob=bool(return_logprob),
             return_routed_experts=bool(return_routes),

@@ -107,6 +107,8 @@ def sampling_params_json(request: GenerateRequest, n: int = 1) -> dict[str, Any]
     }
     if request.stop_token_ids:
         params["stop_token_ids"] = list(request.stop_token_ids)
+    if request.min_new_tokens:
+        params["min_new_tokens"] = request.min_new_tokens
     if request.seed is not None:
         params["sampling_seed"] = request.seed
     return params

@@ -36,6 +36,8 @@ class GenerateRequest:
     ``temperature == 0`` means greedy decoding; the returned log-probs are then at temperature 1
     (SGLang turns ``temperature=0`` into ``temperature=1, top_k=1``). ``top_k=-1`` and
     ``top_p=1`` disable truncation. ``seed=None`` lets the engine pick a seed.
+    ``min_new_tokens``: the stop tokens cannot be sampled before the response has this many
+    tokens (SGLang's sampling parameter of that name).
     """
 
     input_ids: Sequence[int]
@@ -44,6 +46,7 @@ class GenerateRequest:
     top_p: float = 1.0
     top_k: int = -1
     stop_token_ids: Sequence[int] = ()
+    min_new_tokens: int = 0
     seed: Optional[int] = None
     return_logprob: bool = True
     return_routed_experts: bool = False
@@ -59,6 +62,8 @@ class GenerateRequest:
             problems.append("input_ids has negative token ids")
         if self.max_new_tokens < 1:
             problems.append(f"max_new_tokens={self.max_new_tokens} < 1")
+        if self.min_new_tokens < 0:
+            problems.append(f"min_new_tokens={self.min_new_tokens} < 0")
         if not self.temperature >= 0 or self.temperature != self.temperature:
             problems.append(f"temperature={self.temperature} is not >= 0")
         if not 0 < self.top_p <= 1:
