@@ -10,15 +10,11 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from worker_launch import run_worker, worker_command
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
 WORKER = Path(__file__).with_name("checkpoint_worker.py")
 
 LOSS_TOLERANCE = 1e-6
@@ -28,37 +24,8 @@ WEIGHT_TOLERANCE = 1e-6
 weights by ~1e-4 (checked by the weights-only control)."""
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _launch(out: Path, phase: str, world: int) -> dict:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = f"{REPO_ROOT}{os.pathsep}{env.get('PYTHONPATH', '')}"
-    env["OMP_NUM_THREADS"] = "1"
-    if world == 1:
-        command = [sys.executable, str(WORKER)]
-    else:
-        command = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            f"--nproc_per_node={world}",
-            "--master_addr=127.0.0.1",
-            f"--master_port={_free_port()}",
-            str(WORKER),
-        ]
-    command += ["--phase", phase, "--out", str(out)]
-    result = subprocess.run(
-        command, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=600
-    )
-    if result.returncode:
-        raise AssertionError(
-            f"{phase} failed ({result.returncode}):\n{result.stdout[-4000:]}\n"
-            f"{result.stderr[-8000:]}"
-        )
+    run_worker([*worker_command(WORKER, world), "--phase", phase, "--out", str(out)], 600)
     return json.loads((out / f"{phase}.json").read_text())
 
 

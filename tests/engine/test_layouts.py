@@ -11,15 +11,12 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import socket
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from worker_launch import run_worker, worker_command
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
 WORKER = Path(__file__).with_name("layout_worker.py")
 
 TOLERANCE = 1e-5
@@ -54,34 +51,10 @@ LAUNCHES = {
 }
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def _env() -> dict:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = f"{REPO_ROOT}{os.pathsep}{env.get('PYTHONPATH', '')}"
-    env["OMP_NUM_THREADS"] = "1"
-    return env
-
-
-def _run(command: list[str], timeout: int) -> None:
-    result = subprocess.run(
-        command, cwd=REPO_ROOT, env=_env(), capture_output=True, text=True, timeout=timeout
-    )
-    if result.returncode:
-        raise AssertionError(
-            f"{' '.join(command)} failed ({result.returncode}):\n{result.stdout[-4000:]}\n"
-            f"{result.stderr[-8000:]}"
-        )
-
-
 @pytest.fixture(scope="module")
 def reference_dir(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("layouts")
-    _run(
+    run_worker(
         [sys.executable, str(WORKER), "--out", str(out), "--reference", "moe", "qwen2", "dense"],
         timeout=300,
     )
@@ -95,20 +68,8 @@ def _launch(world: int, reference_dir: Path) -> dict:
         link = out / f"reference_{case}.pt"
         if not link.exists():
             link.symlink_to(reference_dir / f"reference_{case}.pt")
-    _run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            f"--nproc_per_node={world}",
-            "--master_addr=127.0.0.1",
-            f"--master_port={_free_port()}",
-            str(WORKER),
-            "--out",
-            str(out),
-            "--runs",
-            *LAUNCHES[world],
-        ],
+    run_worker(
+        [*worker_command(WORKER, world), "--out", str(out), "--runs", *LAUNCHES[world]],
         timeout=600,
     )
     return {rank: json.loads((out / f"rank{rank}.json").read_text()) for rank in range(world)}

@@ -24,14 +24,12 @@ gradients, loss and routing metrics.
 from __future__ import annotations
 
 import json
-import os
-import socket
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from worker_launch import run_worker, worker_command
 
 from megatron_gspo.engine.routing_replay import (
     RoutingReplayError,
@@ -41,7 +39,6 @@ from megatron_gspo.engine.routing_replay import (
     topk_sets_differ,
 )
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
 WORKER = Path(__file__).with_name("routing_replay_worker.py")
 CHECKS = [
     "recorded_routes_are_the_routes_used",
@@ -58,25 +55,6 @@ LAUNCHES = {
     2: ["r2:ep2", "r3:cp2", "r2:pp2.vpp2.recompute"],
     4: ["r2:tp2.ep2.cp2"],
 }
-
-
-def _env() -> dict:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = f"{REPO_ROOT}{os.pathsep}{env.get('PYTHONPATH', '')}"
-    env["OMP_NUM_THREADS"] = "1"
-    return env
-
-
-def _run(command: list[str], timeout: int) -> str:
-    result = subprocess.run(
-        command, cwd=REPO_ROOT, env=_env(), capture_output=True, text=True, timeout=timeout
-    )
-    if result.returncode:
-        raise AssertionError(
-            f"{' '.join(command)} failed ({result.returncode}):\n{result.stdout[-4000:]}\n"
-            f"{result.stderr[-8000:]}"
-        )
-    return result.stdout
 
 
 # ---------------------------------------------------------------------------------------------
@@ -129,7 +107,7 @@ def test_check_routes_names_the_problem():
 
 @pytest.fixture(scope="module")
 def results() -> dict:
-    stdout = _run([sys.executable, str(WORKER), "--checks"], timeout=600)
+    stdout = run_worker([sys.executable, str(WORKER), "--checks"], timeout=600)
     return json.loads(stdout.strip().splitlines()[-1])
 
 
@@ -147,16 +125,12 @@ def test_routing_replay(results, check):
 # ---------------------------------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def reference_dir(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("routing_replay")
-    _run([sys.executable, str(WORKER), "--out", str(out), "--reference", "r2", "r3"], timeout=300)
+    run_worker(
+        [sys.executable, str(WORKER), "--out", str(out), "--reference", "r2", "r3"], timeout=300
+    )
     return out
 
 
@@ -167,20 +141,8 @@ def _launch(world: int, reference_dir: Path) -> None:
         link = out / f"reference_{mode}.pt"
         if not link.exists():
             link.symlink_to(reference_dir / f"reference_{mode}.pt")
-    _run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            f"--nproc_per_node={world}",
-            "--master_addr=127.0.0.1",
-            f"--master_port={_free_port()}",
-            str(WORKER),
-            "--out",
-            str(out),
-            "--runs",
-            *LAUNCHES[world],
-        ],
+    run_worker(
+        [*worker_command(WORKER, world), "--out", str(out), "--runs", *LAUNCHES[world]],
         timeout=600,
     )
     for rank in range(world):

@@ -1,0 +1,53 @@
+"""Starting the multi-process worker scripts of tests/engine (gloo on 127.0.0.1)."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def worker_env() -> dict:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = f"{REPO_ROOT}{os.pathsep}{env.get('PYTHONPATH', '')}"
+    # One thread per process: several ranks share 2 cores, and results stay reproducible.
+    env["OMP_NUM_THREADS"] = "1"
+    return env
+
+
+def worker_command(worker: Path, world: int) -> list[str]:
+    """``python WORKER`` for one process, ``torchrun`` on a free loopback port for several."""
+    if world == 1:
+        return [sys.executable, str(worker)]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nproc_per_node={world}",
+        "--master_addr=127.0.0.1",
+        f"--master_port={free_port()}",
+        str(worker),
+    ]
+
+
+def run_worker(command: list[str], timeout: int) -> str:
+    """Run ``command`` from the repository root; its stdout, or an AssertionError with its tail."""
+    result = subprocess.run(
+        command, cwd=REPO_ROOT, env=worker_env(), capture_output=True, text=True, timeout=timeout
+    )
+    if result.returncode:
+        raise AssertionError(
+            f"{' '.join(command)} failed ({result.returncode}):\n{result.stdout[-4000:]}\n"
+            f"{result.stderr[-8000:]}"
+        )
+    return result.stdout
