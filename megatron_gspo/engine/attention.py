@@ -143,14 +143,32 @@ class PackedCoreAttention(MegatronModule):
             key = gather_context_parallel_tokens(key, padded_lengths, self.cp_group)
             value = gather_context_parallel_tokens(value, padded_lengths, self.cp_group)
         cp_rank = dist.get_rank(self.cp_group) if cp_size > 1 else 0
-        outputs = []
-        local_offset = 0
-        full_offset = 0
+        # One SDPA call per distinct padded length (RL batches are mostly one length): the
+        # sequences of a length are stacked as the batch dimension, whose mask is shared.
+        by_length: dict[int, list[int]] = {}
+        for index, length in enumerate(padded_lengths):
+            by_length.setdefault(length, []).append(index)
+        heads, dim = query.shape[1], query.shape[2]
+        local_starts = [0]
+        full_starts = [0]
         for length in padded_lengths:
+            local_starts.append(local_starts[-1] + length // cp_size)
+            full_starts.append(full_starts[-1] + length)
+        output = None
+        for length, indices in by_length.items():
             local_length = length // cp_size
-            q = query[local_offset : local_offset + local_length]
-            k = key[full_offset : full_offset + length]
-            v = value[full_offset : full_offset + length]
+            if len(by_length) == 1:
+                q, k, v = (
+                    query.reshape(len(indices), local_length, heads, dim),
+                    key.reshape(len(indices), length, *key.shape[1:]),
+                    value.reshape(len(indices), length, *value.shape[1:]),
+                )
+            else:
+                local_rows = _rows(local_starts, indices, local_length, query.device)
+                full_rows = _rows(full_starts, indices, length, query.device)
+                q = query[local_rows]
+                k = key[full_rows]
+                v = value[full_rows]
             if cp_size == 1:
                 mask = None
             else:
@@ -158,17 +176,22 @@ class PackedCoreAttention(MegatronModule):
                 positions = context_parallel_indices([length], cp_size, cp_rank).to(q.device)
                 keys = torch.arange(length, device=q.device)
                 mask = keys.unsqueeze(0) <= positions.unsqueeze(1)
+            # [n, s, heads, d] -> [n, heads, s, d] and back.
             out = _attention(
-                q.transpose(0, 1).unsqueeze(0),
-                k.transpose(0, 1).unsqueeze(0),
-                v.transpose(0, 1).unsqueeze(0),
-                mask,
-                self.softmax_scale,
-            )
-            outputs.append(out.squeeze(0).transpose(0, 1).reshape(local_length, -1))
-            local_offset += local_length
-            full_offset += length
-        return torch.cat(outputs, dim=0)
+                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask, self.softmax_scale
+            ).transpose(1, 2)
+            if len(by_length) == 1:
+                return out.reshape(query.shape[0], heads * dim)
+            if output is None:
+                output = query.new_zeros(query.shape[0], heads * dim)
+            output = output.index_copy(0, local_rows.flatten(), out.reshape(-1, heads * dim))
+        return output
+
+
+def _rows(starts: list[int], indices: list[int], length: int, device: torch.device) -> torch.Tensor:
+    """``[n, length]`` row indices of sequences ``indices`` whose first rows are ``starts``."""
+    first = torch.tensor([starts[i] for i in indices], device=device)
+    return first.unsqueeze(1) + torch.arange(length, device=device)
 
 
 def _attention(
@@ -178,11 +201,13 @@ def _attention(
     mask: Optional[torch.Tensor],
     scale: float,
 ) -> torch.Tensor:
-    """Causal (or ``mask``ed, True = attend) attention on ``[b, heads, s, d]`` with GQA."""
-    if key.shape[1] != query.shape[1]:
-        repeat = query.shape[1] // key.shape[1]
-        key = key.repeat_interleave(repeat, dim=1)
-        value = value.repeat_interleave(repeat, dim=1)
+    """Causal (or ``mask``ed, True = attend) attention on ``[b, heads, s, d]``; grouped-query
+    heads share key/value heads (``enable_gqa``)."""
+    gqa = key.shape[1] != query.shape[1]
     if mask is None:
-        return F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scale)
-    return F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scale)
+        return F.scaled_dot_product_attention(
+            query, key, value, is_causal=True, scale=scale, enable_gqa=gqa
+        )
+    return F.scaled_dot_product_attention(
+        query, key, value, attn_mask=mask, scale=scale, enable_gqa=gqa
+    )

@@ -89,7 +89,9 @@ def _sharded_by_parameter(model_sharded_state: dict) -> dict[int, Any]:
     return {id(tensor.data): tensor for tensor in nested_values(sharded)}
 
 
-def _sub_optimizers(optimizer: Any) -> list:
+def sub_optimizers(optimizer: Any) -> list:
+    """The Megatron optimizers inside ``optimizer`` that own a torch optimizer (a
+    ``ChainedOptimizer`` holds one per parameter kind: dense, experts)."""
     children = getattr(optimizer, "chained_optimizers", [optimizer])
     return [child for child in children if getattr(child, "optimizer", None) is not None]
 
@@ -233,7 +235,7 @@ def optimizer_sharded_state(
     optimizer's spans are reduced over its data-parallel group); before the first optimizer step
     there is no state and the dict is empty."""
     by_param = _sharded_by_parameter(model_sharded_state)
-    subs = [(sub, _parameter_states(sub, by_param)) for sub in _sub_optimizers(optimizer)]
+    subs = [(sub, _parameter_states(sub, by_param)) for sub in sub_optimizers(optimizer)]
     local = [_local_step_and_keys(entries) for _, entries in subs]
     steps = {step for step, _ in local if step is not None}
     keys = sorted({key for _, sub_keys in local for key in sub_keys})
@@ -291,7 +293,7 @@ def optimizer_load_request(
     by_param = _sharded_by_parameter(model_sharded_state)
     entries = [
         entry
-        for sub in _sub_optimizers(optimizer)
+        for sub in sub_optimizers(optimizer)
         for entry in _parameter_states(sub, by_param)
         if entry.main_param is not None  # the distributed optimizer: held by other dp ranks
     ]
@@ -320,7 +322,7 @@ def apply_optimizer_state(optimizer: Any, targets: list, loaded: dict, step: int
     :func:`optimizer_load_request` (the distributed optimizer keeps its span of each tensor),
     with the shared Adam ``step``; at step 0 the state is cleared (Adam starts fresh)."""
     inners = {}
-    for sub in _sub_optimizers(optimizer):
+    for sub in sub_optimizers(optimizer):
         sub.optimizer.state.clear()
         inners[id(sub.optimizer)] = sub.optimizer
     if not step:

@@ -31,7 +31,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 from megatron.core.distributed import finalize_model_grads
-from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.optimizer import OptimizerConfig, clip_grads, get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -58,6 +58,7 @@ from megatron_gspo.engine.model import (
     unwrap,
     wrap_with_ddp,
 )
+from megatron_gspo.engine.optimizer_state import sub_optimizers
 from megatron_gspo.engine.packing import padding_multiple
 from megatron_gspo.engine.parallel import ParallelState, initialize_parallel
 from megatron_gspo.engine.routing_replay import PolicyRouting, RoutingPass, check_never_replays
@@ -96,7 +97,34 @@ def build_optimizer(cfg: TrainConfig, model: Sequence[torch.nn.Module]):
         use_distributed_optimizer=cfg.parallel.use_distributed_optimizer,
     )
     # Gloo sub-groups are not created on CPU (every group already is gloo there).
-    return get_megatron_optimizer(config, list(model), use_gloo_process_groups=cuda_available())
+    optimizer = get_megatron_optimizer(
+        config, list(model), use_gloo_process_groups=cuda_available()
+    )
+    if not cuda_available():
+        # Without TE/apex Megatron falls back to torch.optim.AdamW with neither `foreach` nor
+        # `fused`: a Python loop over tensors. Torch's fused CPU kernel applies the same update
+        # (to the last bit on the layouts we test) several times faster. Set before the first
+        # step, which creates the state.
+        for sub in sub_optimizers(optimizer):
+            for group in sub.optimizer.param_groups:
+                group["fused"] = True
+    return optimizer
+
+
+def clip_gradients(optimizer: Any, total_norm: float) -> None:
+    """Scale the main gradients by ``min(1, clip_grad / total_norm)``: what Megatron's
+    ``ChainedOptimizer.step`` does after computing the global norm a second time (two more
+    all-reduces per sub-optimizer), with the norm the caller already has."""
+    for sub in sub_optimizers(optimizer):
+        parameters = sub.get_parameters()
+        if parameters and sub.config.clip_grad > 0.0:
+            # Looked up at call time: engine/compat.py wraps it on CPU.
+            clip_grads.clip_grad_by_total_norm_fp32(
+                parameters,
+                max_norm=sub.config.clip_grad,
+                total_norm=total_norm,
+                use_decoupled_grad=sub.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8,
+            )
 
 
 def optimizer_steps_per_run(cfg: TrainConfig) -> int:
@@ -512,8 +540,8 @@ class TrainEngine:
         grad_norm = float(self.optimizer.get_grad_norm())
         finite = math.isfinite(metrics["loss"]) and math.isfinite(grad_norm)
         if finite:
-            _, grad_norm, _ = self.optimizer.step()
-            grad_norm = float(grad_norm)
+            clip_gradients(self.optimizer, grad_norm)
+            self.optimizer.step_with_ready_grads()
             self.scheduler.step(1)
             self.consecutive_skips = 0
         else:
