@@ -44,6 +44,8 @@ def need_probes() -> dict:
     from megatron.core.tensor_parallel import mappings
     from megatron.core.tensor_parallel import random as tp_random
     from megatron.core.transformer.moe import moe_utils, token_dispatcher
+    from megatron.core.transformer.moe.experts import SequentialMLP
+    from megatron.core.transformer.moe.router import TopKRouter
 
     def cuda_allocations() -> bool:
         import importlib
@@ -87,12 +89,19 @@ def need_probes() -> dict:
             not hasattr(moe_utils, "te_general_gemm")
             and "te_general_gemm" in inspect.getsource(moe_utils.RouterGatingLinearFunction)
         ),
+        "router_expert_bias_compile": lambda: hasattr(
+            TopKRouter._apply_expert_bias, "_torchdynamo_orig_callable"
+        ),
         "split_sizes_to_numpy": lambda: isinstance(
             moe_utils.maybe_move_tensor_to_cpu(torch.tensor([1, 2]), as_numpy=True), torch.Tensor
         ),
         "uneven_all_gather": lambda: (
             "torch.distributed.all_gather(output_tensor_list"
             in inspect.getsource(mappings._gather_along_first_dim)
+        ),
+        "batched_experts": lambda: (
+            "for expert, tokens, probs in zip(self.local_experts"
+            in inspect.getsource(SequentialMLP.forward)
         ),
     }
 
@@ -124,6 +133,8 @@ def works_checks() -> dict:
     from megatron.core.pipeline_parallel import schedules
     from megatron.core.tensor_parallel import random as tp_random
     from megatron.core.transformer.moe import moe_utils, token_dispatcher
+    from megatron.core.transformer.moe.experts import SequentialMLP
+    from megatron.core.transformer.moe.router import TopKRouter
 
     def rng() -> bool:
         seed_before = torch.initial_seed()
@@ -176,6 +187,10 @@ def works_checks() -> dict:
             ).shape
             == (3, 2)
         ),
+        "router_expert_bias_compile": lambda: (
+            not hasattr(TopKRouter._apply_expert_bias, "_torchdynamo_orig_callable")
+            and TopKRouter._apply_expert_bias.__name__ == "_apply_expert_bias"
+        ),
         "split_sizes_to_numpy": lambda: isinstance(
             token_dispatcher.maybe_move_tensor_to_cpu(torch.tensor([1, 2]), as_numpy=True),
             np.ndarray,
@@ -183,6 +198,7 @@ def works_checks() -> dict:
         "uneven_all_gather": lambda: getattr(
             tensor_parallel.mappings._gather_along_first_dim, "_cpu_shim", False
         ),
+        "batched_experts": lambda: getattr(SequentialMLP.forward, "_cpu_shim", False),
     }
 
 

@@ -1,0 +1,149 @@
+"""The MoE experts on CPU: Megatron's ``SequentialMLP`` math with the per-expert autograd layers
+flattened into plain tensor ops.
+
+Without Transformer Engine or ``grouped_gemm`` Megatron runs the local experts as a Python loop
+of ``MLP`` modules, each with two Megatron linear autograd Functions, an activation and a probs
+product: many small autograd nodes, which dominate at RL-test sizes on CPU.
+:func:`batched_experts_forward` computes the same operations in the same order on the same
+parameters (one ``matmul`` per expert and layer, the activation and the probs product once over
+all rows), so outputs and gradients are bit-identical to upstream, and the parameters, their
+names, the checkpoint layout and the DDP gradient hooks are untouched. ``engine/compat.py``
+routes ``SequentialMLP.forward`` here on CPU when :func:`batched_experts_supported`.
+
+Forward+backward of the experts, 1 thread, medians on the shared 2-core CI box (ms), upstream ->
+batched: h64 F48 8 experts 800 rows 2.9-3.6 -> 1.8-2.3; a whole MoE layer (router, dispatcher,
+experts) 400 tokens top-2 3.3-3.8 -> 2.4-2.7; h1024 F512 64 experts 4096 rows 413-438 ->
+400-497 (GEMM-bound: no gain, no loss). ``torch._grouped_mm`` over stacked weights was measured
+too: as fast at the small size, much slower at the large one (the stack copies every weight
+each forward), and its CPU kernel needs 16-byte aligned rows; not used.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from megatron.core import activations
+from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+from megatron.core.transformer.mlp import MLP
+
+
+def _elementwise_activations() -> tuple[Callable, ...]:
+    extra = (getattr(activations, name, None) for name in ("squared_relu", "quick_gelu"))
+    return (F.silu, F.gelu, F.relu, *(f for f in extra if f is not None))
+
+
+def _hooked(module: torch.nn.Module) -> bool:
+    hooks = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
+    return any(getattr(module, name, None) for name in hooks)
+
+
+def _plain_linear(linear: Any, kind: type, hidden: torch.Tensor) -> bool:
+    """A local-spec linear that computes ``x @ W^T`` and nothing else at this input."""
+    return (
+        type(linear) is kind
+        and linear.bias is None
+        and not linear.gradient_accumulation_fusion
+        and linear.weight is not None
+        and linear.weight.dtype == hidden.dtype
+        and linear.weight.device == hidden.device
+        and (linear.tp_group is None or linear.tp_group.size() == 1)
+        and not _hooked(linear)
+    )
+
+
+def batched_experts_supported(
+    experts: Any, hidden: torch.Tensor, tokens_per_expert: Any, probs: Any
+) -> bool:
+    """Whether :func:`batched_experts_forward` computes exactly what ``SequentialMLP.forward``
+    would: CPU, several local experts, the local spec's linears without bias at expert tensor
+    parallel 1, no fp8/fp4, no fused or TE activation, an elementwise activation, no hooks."""
+    config = experts.config
+    local_experts = getattr(experts, "local_experts", None)
+    tp_group = getattr(experts, "tp_group", None)
+    if (
+        hidden.device.type != "cpu"
+        or hidden.dim() != 2
+        or not torch.is_tensor(probs)
+        or probs.shape != hidden.shape[:1]
+        or not torch.is_tensor(tokens_per_expert)
+        or local_experts is None
+        or len(local_experts) < 2
+        or tokens_per_expert.shape != (len(local_experts),)
+        or (tp_group is not None and tp_group.size() != 1)
+        or getattr(config, "fp8", None)
+        or getattr(config, "fp4", None)
+        or getattr(config, "use_te_activation_func", False)
+        or getattr(config, "bias_activation_fusion", False)
+        or getattr(config, "defer_embedding_wgrad_compute", False)
+        or getattr(config, "_cpu_offloading_context", None) is not None
+        # Megatron allows probs on the input with top-1 routing only.
+        or (getattr(config, "moe_apply_probs_on_input", False) and config.moe_router_topk != 1)
+        or config.activation_func not in _elementwise_activations()
+    ):
+        return False
+    for expert in local_experts:
+        if (
+            type(expert).forward is not MLP.forward
+            or _hooked(expert)
+            or not (config.gated_linear_unit or expert.activation_func is config.activation_func)
+            or not _plain_linear(getattr(expert, "linear_fc1", None), ColumnParallelLinear, hidden)
+            or not _plain_linear(getattr(expert, "linear_fc2", None), RowParallelLinear, hidden)
+        ):
+            return False
+    return int(tokens_per_expert.sum()) == hidden.shape[0]
+
+
+def _per_expert_linear(
+    inputs: torch.Tensor, weights: list[torch.Tensor], counts: list[int]
+) -> torch.Tensor:
+    """``[T, in] -> [T, out]``: the rows of expert ``e`` times ``weights[e]`` ``[out, in]``
+    transposed, as the linear layers compute it at tensor parallel 1. Every weight enters the
+    graph, so an expert without tokens still gets its (zero) gradient and DDP hook."""
+    parts = torch.split(inputs, counts)
+    return torch.cat([torch.matmul(part, weight.t()) for part, weight in zip(parts, weights)])
+
+
+def batched_experts_forward(
+    experts: Any,
+    permuted_local_hidden_states: torch.Tensor,
+    tokens_per_expert: torch.Tensor,
+    permuted_probs: torch.Tensor,
+) -> tuple[torch.Tensor, None]:
+    """``SequentialMLP.forward`` of ``experts``, with the per-expert modules flattened.
+
+    Rows of ``permuted_local_hidden_states`` ``[T, h]`` are grouped by local expert
+    (``tokens_per_expert`` ``[E]``); per expert ``e`` with ``W1_e`` ``[F1, h]``, ``W2_e``
+    ``[h, F]`` (F1 = 2F gated) and ``p`` = ``permuted_probs`` ``[T]``::
+
+        x = p * x                           if moe_apply_probs_on_input (top-1; then p = 1)
+        a = x W1_e^T                        [T_e, F1]
+        a = act(a[:, :F]) * (a[:, F:] + c)  gated (Megatron's glu; optional clamps, offset c)
+        a = act(a)                          otherwise
+        y = (a * p) W2_e^T                  [T_e, h]
+
+    Returns ``(y [T, h], None)`` like upstream (no expert bias).
+    """
+    config = experts.config
+    hidden, probs = permuted_local_hidden_states, permuted_probs
+    dtype = hidden.dtype
+    if config.moe_apply_probs_on_input:
+        hidden = (probs.unsqueeze(-1) * hidden).to(dtype)
+        probs = torch.ones_like(probs)
+    counts = tokens_per_expert.tolist()
+    fc1 = [expert.linear_fc1.weight for expert in experts.local_experts]
+    fc2 = [expert.linear_fc2.weight for expert in experts.local_experts]
+    intermediate = _per_expert_linear(hidden, fc1, counts)
+    if config.gated_linear_unit:
+        gate, linear = torch.chunk(intermediate, 2, dim=-1)
+        if (clamp := getattr(config, "activation_func_clamp_value", None)) is not None:
+            gate = gate.clamp(min=None, max=clamp)
+            linear = linear.clamp(min=-clamp, max=clamp)
+        offset = getattr(config, "glu_linear_offset", 0.0)
+        intermediate = config.activation_func(gate) * (linear + offset)
+    else:
+        intermediate = config.activation_func(intermediate)
+    intermediate = (intermediate * probs.unsqueeze(-1)).to(dtype)
+    return _per_expert_linear(intermediate, fc2, counts), None
