@@ -405,7 +405,9 @@ def _finish(
 
 def run_ours(job: dict[str, Any], work_dir: str) -> dict[str, Any]:
     # Everything the loop imports lazily, imported before the baseline is taken.
+    import hydra  # noqa: F401
     import megatron.core  # noqa: F401
+    import omegaconf  # noqa: F401
     import torch  # noqa: F401
     import transformers.models.qwen3_moe.modeling_qwen3_moe  # noqa: F401
 

@@ -41,6 +41,7 @@ from megatron_gspo.engine.sharding import (
     iter_global_parameters,
     shard_full_tensor,
 )
+from megatron_gspo.rollout.types import StableTensorStream
 
 if TYPE_CHECKING:
     from megatron_gspo.convert.export import ExportSummary
@@ -148,9 +149,15 @@ def _param_device(model_chunks: Sequence[torch.nn.Module]) -> torch.device:
     return torch.device("cpu")
 
 
+def _whole_parameter(param: torch.Tensor, info: ShardInfo) -> torch.Tensor:
+    """The full tensor of a parameter this rank holds whole, as a view (vocab padding dropped)."""
+    full = param.detach()
+    return full[: full.shape[0] - info.padded_rows] if info.padded_rows else full
+
+
 @torch.no_grad()
 def iter_full_megatron_weights(
-    model_chunks: Sequence[torch.nn.Module], *, dst: Optional[int] = 0
+    model_chunks: Sequence[torch.nn.Module], *, dst: Optional[int] = 0, copy: bool = True
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """``(global_name, full tensor)`` for every parameter of the whole model, one at a time.
 
@@ -159,6 +166,11 @@ def iter_full_megatron_weights(
     expert-tensor parallel (only the group of its lowest-ranked holder), then that owner sends it
     to rank ``dst``, or broadcasts it to every rank when ``dst`` is None. Ranks other than the
     destination yield nothing. Tensors keep the parameters' dtype and device.
+
+    ``copy=False``: a parameter the destination holds whole (replicated, or not split at this
+    layout, e.g. everything at tp = 1) comes as a view of the live parameter instead of a clone,
+    valid until the parameters next change (an optimizer step, a load): the caller must consume
+    it (copy, serialise, write) before then. Gathered or received tensors are fresh either way.
     """
     world = dist.get_world_size() if dist.is_initialized() else 1
     rank = dist.get_rank() if dist.is_initialized() else 0
@@ -191,7 +203,12 @@ def iter_full_megatron_weights(
                 else dist.get_process_group_ranks(info.group)
             )
             if owner in group_ranks:
-                full = gather_full_tensor(holding.param, info)
+                whole = info.kind == REPLICATED or info.world == 1
+                full = (
+                    _whole_parameter(holding.param, info)
+                    if whole and not copy
+                    else gather_full_tensor(holding.param, info)
+                )
         if world > 1 and (dst is None or owner != dst):
             shape, dtype = metadata[name]
             if full is None:
@@ -211,18 +228,33 @@ def iter_hf_weights(
     config: Union[TrainConfig, ModelConfig],
     *,
     dst: Optional[int] = 0,
-) -> Iterator[tuple[str, torch.Tensor]]:
+) -> StableTensorStream:
     """``(hf_name, tensor)`` of the whole model in HF on-disk naming, streamed one Megatron
     parameter at a time (see :func:`iter_full_megatron_weights` for the collective contract:
     every rank must exhaust it; only ``dst``, or every rank when ``dst`` is None, receives).
 
     Vocabulary padding is dropped; a tied output layer is not emitted; q/k/v and gate/up are
-    split back into HF's separate tensors (views of the gathered full tensor, which is a fresh
-    tensor: nothing yielded aliases a live parameter).
+    split back into HF's separate tensors (views of the full tensor).
+
+    No copies: a parameter the destination holds whole (all of them at tp = 1) is yielded as a
+    view of the live parameter (``copy=False`` above), so a weight sync moves each byte once, into
+    the receiver, instead of cloning it first (at Qwen3's vocabulary the embedding and output
+    layer alone are 2 x 39 MB per fp32 clone). A yielded tensor is valid until the trainer's
+    parameters next change: consume it before the next optimizer step or load. Every consumer
+    does so within one call, during which nothing updates the parameters: a weight sync
+    (``stages.sync_weights`` -> ``RolloutEngine.sync_weights``: the embedded engine stages a copy
+    of each tensor on arrival, SGLang's transports write or serialise it), the HF export
+    (:func:`export_hf_checkpoint` writes it). Clone what you keep longer.
+
+    Returned as a :class:`~megatron_gspo.rollout.types.StableTensorStream`: no tensor is
+    reused or changed while the stream is drained (gathered ones are fresh per parameter), so a
+    receiver may hold references until its load returns instead of staging copies.
     """
     model = _model_config(config)
-    for name, full in iter_full_megatron_weights(model_chunks, dst=dst):
-        yield from megatron_to_hf(name, full, model)
+    full_tensors = iter_full_megatron_weights(model_chunks, dst=dst, copy=False)
+    return StableTensorStream(
+        pair for name, full in full_tensors for pair in megatron_to_hf(name, full, model)
+    )
 
 
 # ---------------------------------------------------------------------------------------------

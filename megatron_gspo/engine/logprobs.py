@@ -17,9 +17,14 @@ the backward recomputes each chunk's logits. Gradients wrt the logits:
     d H / dz_v    = -p_v (z_v - E_p[z])
 
 and ``dz/dx = 1/T`` for the raw logits ``x = h @ W.T``. Peak extra memory is one fp32
-``[chunk_size, V_local]`` buffer (plus its bf16 twin for bf16 inputs and a 16 MB scratch) on top
+``[chunk_size, V_local]`` buffer (plus its bf16 twin for bf16 inputs and a 4 MB scratch) on top
 of the weight gradient (see ``benchmarks/logprob_memory.py``); the price is one more
-``[N, H] x [H, V_local]`` matmul (the recompute) in the backward.
+``[N, H] x [H, V_local]`` matmul (the recompute) in the backward. The default chunk size
+(:func:`default_chunk_size`) keeps that buffer no larger than the weight shard itself (or 32 MiB).
+
+Under Megatron DDP the weight gradient is accumulated straight into ``weight.main_grad`` (Megatron's
+gradient-accumulation-fusion contract, see :func:`_main_grad_target`): no ``[V_local, H]``
+gradient tensor is materialised.
 
 Pure torch + torch.distributed: no Megatron import, so it is tested on CPU with gloo.
 """
@@ -34,8 +39,34 @@ from torch.distributed import ProcessGroup
 # + entropy, forward + backward): C=256 uses 346 MB extra against 5,963 MB for naive log_softmax
 # (1/17) and is no slower; C=1024 misses 1/8, C=128 saves little more. Memory grows linearly in C.
 DEFAULT_CHUNK_SIZE = 256
-# Elementwise passes (exp, entropy terms) run on blocks of this many logits (16 MB fp32) at a time.
-ELEMENTWISE_BLOCK_ELEMENTS = 1 << 22
+"""The most tokens per chunk :func:`default_chunk_size` picks (what it picks whenever the logits
+buffer of 256 tokens is no larger than the output weight shard or 32 MiB)."""
+LOGITS_BUDGET_FLOOR_BYTES = 32 << 20
+"""The logits workspace may always use this much, however small the weight shard."""
+# Elementwise passes (exp, entropy terms) run on blocks of this many logits (4 MB fp32) at a time:
+# big enough that the per-block overhead vanishes, small next to the [C, V_local] buffer.
+ELEMENTWISE_BLOCK_ELEMENTS = 1 << 20
+
+
+def default_chunk_size(local_vocab: int, hidden_size: int, dtype: torch.dtype) -> int:
+    """Tokens per chunk when the caller gives none, from the weight shard ``[V_local, H]``::
+
+        row_bytes = V_local * (4 + (b if dtype is not fp32 else 0))   one token of the workspace
+        budget    = max(32 MiB, V_local * H * b)                        b = bytes per element
+        C         = clamp(budget // row_bytes, 1, 256), rounded down to a multiple of 8 (C >= 8)
+
+    so the fp32 logits buffer (and its input-dtype twin) never outgrows the weight shard it
+    multiplies, whose gradient the backward writes anyway, unless that is under 32 MiB. Small
+    vocabularies and large hidden sizes keep the measured 256; a large vocabulary with a small
+    hidden size gets fewer tokens (Qwen3's V = 151,936 at H = 64, fp32: C = 64, 39 MB instead of
+    148 MiB). ``local_vocab`` is the shard's row count including vocab padding: every tp rank has
+    the same shape, so all ranks chunk alike, as the per-chunk collectives require.
+    """
+    element_bytes = torch.empty((), dtype=dtype).element_size()
+    row_bytes = max(local_vocab, 1) * (4 + (element_bytes if dtype != torch.float32 else 0))
+    budget = max(LOGITS_BUDGET_FLOOR_BYTES, local_vocab * hidden_size * element_bytes)
+    chunk = max(1, min(DEFAULT_CHUNK_SIZE, budget // row_bytes))
+    return chunk - chunk % 8 if chunk >= 8 else chunk
 
 
 def vocab_parallel_log_probs(
@@ -45,7 +76,7 @@ def vocab_parallel_log_probs(
     *,
     tp_group: ProcessGroup | None,
     temperature: float = 1.0,
-    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    chunk_size: int | None = None,
     with_entropy: bool = False,
     vocab_size: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -63,7 +94,8 @@ def vocab_parallel_log_probs(
             means the full vocab is local.
         temperature: the sampling temperature ``T > 0``; logits are divided by it before softmax.
         chunk_size: tokens per chunk; peak extra memory is about ``chunk_size * V_local * 4``
-            bytes (``* 6`` for bf16 inputs) besides the gradients.
+            bytes (``* 6`` for bf16 inputs) besides the gradients. ``None``:
+            :func:`default_chunk_size` of the weight shard. Every tp rank must use the same.
         with_entropy: also return the entropy of ``softmax(z)`` per token (differentiable).
         vocab_size: the true vocab size when Megatron padded the weight rows to a multiple of
             ``make_vocab_size_divisible_by * tp``; ids ``>= vocab_size`` are left out of the
@@ -72,7 +104,11 @@ def vocab_parallel_log_probs(
 
     Returns:
         ``(log_probs, entropy)``: fp32 tensors of ``labels.shape``; ``entropy`` is ``None`` unless
-        ``with_entropy``. Gradients reach ``hidden`` and ``weight`` in their own dtypes.
+        ``with_entropy``. Gradients reach ``hidden`` and ``weight`` in their own dtypes; for a
+        weight under Megatron DDP whose ``main_grad`` has the weight's dtype, the weight gradient
+        is added to ``weight.main_grad`` directly and ``weight.grad_added_to_main_grad`` is set,
+        exactly as Megatron's own linear layers do with gradient-accumulation fusion (so
+        ``torch.autograd.grad`` wrt such a weight returns a placeholder, not the gradient).
 
     Gradient contract under tp (read this before calling with ``tp_group`` of size > 1):
         The gradient written to ``weight`` is complete for this rank's rows (no tp reduction; the
@@ -100,6 +136,8 @@ def vocab_parallel_log_probs(
     input dtype (bf16 on GPU, with fp32 accumulation inside each GEMM); the weight gradient is
     accumulated across chunks in the weight dtype, as Liger's fused linear cross-entropy does.
     """
+    if chunk_size is None:
+        chunk_size = default_chunk_size(weight.shape[0], weight.shape[1], weight.dtype)
     _check_inputs(hidden, weight, labels, temperature, chunk_size, vocab_size)
     if tp_group is not None and dist.get_world_size(tp_group) == 1:
         tp_group = None
@@ -282,10 +320,18 @@ class _VocabParallelLogProbs(torch.autograd.Function):
         local_labels, on_shard = _local_labels(labels, ctx.vocab_start, valid_local_vocab)
         num_tokens = hidden.shape[0]
         grad_hidden = torch.zeros_like(hidden) if need_hidden else None
-        grad_weight = torch.zeros_like(weight) if need_weight else None
+        main_grad = _main_grad_target(weight) if need_weight else None
+        grad_weight = None
+        if need_weight and main_grad is None:
+            grad_weight = torch.zeros_like(weight)
         if valid_local_vocab == 0:
+            if main_grad is not None:
+                grad_weight = _placeholder_grad(weight)
             return grad_hidden, grad_weight, *(None,) * 7
-        grad_local_weight = grad_weight[:valid_local_vocab] if need_weight else None
+        grad_local_weight = None
+        if need_weight:
+            accumulator = main_grad if main_grad is not None else grad_weight
+            grad_local_weight = accumulator[:valid_local_vocab]
         workspace = _Workspace(min(chunk_size, num_tokens), valid_local_vocab, hidden)
 
         for start in range(0, num_tokens, chunk_size):
@@ -322,7 +368,44 @@ class _VocabParallelLogProbs(torch.autograd.Function):
                 torch.mm(grad_logits, local_weight, out=grad_hidden[start:end])
             if need_weight:
                 grad_local_weight.addmm_(grad_logits.t(), hidden_chunk)
+        if main_grad is not None:
+            grad_weight = _placeholder_grad(weight)
         return grad_hidden, grad_weight, *(None,) * 7
+
+
+def _main_grad_target(weight: torch.Tensor) -> torch.Tensor | None:
+    """``weight.main_grad`` when the weight gradient may be accumulated into it directly, else None.
+
+    Megatron DDP gives each parameter ``main_grad`` (a view of its gradient buffer) and
+    ``grad_added_to_main_grad`` (reset by ``zero_grad_buffer``); its backward hook adds
+    ``param.grad`` to ``main_grad`` unless that flag is set, which is how Megatron's linear layers
+    with gradient-accumulation fusion skip the ``[V_local, H]`` gradient tensor. Same dtype only:
+    a bf16 weight over an fp32 buffer keeps the path below (bf16 GEMMs, then DDP's fp32 add).
+    """
+    main_grad = getattr(weight, "main_grad", None)
+    if (
+        main_grad is None
+        or not hasattr(weight, "grad_added_to_main_grad")
+        or main_grad.dtype != weight.dtype
+        or main_grad.shape != weight.shape
+    ):
+        return None
+    return main_grad
+
+
+def _placeholder_grad(weight: torch.Tensor) -> torch.Tensor:
+    """What autograd receives for a weight whose gradient already is in ``main_grad``.
+
+    Megatron's protocol: mark the gradient as added (DDP's hook then drops ``param.grad``
+    instead of adding it) and hand autograd an uninitialised tensor, whose pages are never touched
+    (no resident memory on CPU). Zeros when the weight is also used elsewhere on this pipeline
+    stage (``zero_out_wgrad``, tied embeddings): autograd sums the embedding's gradient into the
+    placeholder, and DDP's hook then adds that sum.
+    """
+    weight.grad_added_to_main_grad = True
+    if getattr(weight, "zero_out_wgrad", False):
+        return torch.zeros_like(weight)
+    return torch.empty_like(weight)
 
 
 def _local_labels(

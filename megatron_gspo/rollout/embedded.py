@@ -14,9 +14,10 @@ the same samples from both.
 
 Generation is batched with a KV cache: prompts are left-padded, positions come from the
 attention mask, and rows that finish are dropped from the cache. Each request samples from its
-own ``torch.Generator`` (its ``seed``), so its tokens depend on its seed and its logits only: the
-batch it shares changes logits by float rounding (padding changes reduction lengths), which can
-flip a sample only at a near-tie.
+own ``torch.Generator`` (its ``seed``; one uniform per token, inverse CDF, see ``sampling.py``),
+so its tokens depend on its seed and its logits only: the batch it shares changes logits by
+float rounding (padding changes reduction lengths), which can flip a sample only when its
+uniform falls within that rounding of a token boundary of the CDF.
 
 Thread safety: ``generate`` may run concurrently from several threads (the loopback server does);
 each forward and each weight commit hold the model lock, so a sync lands between decode steps.
@@ -38,13 +39,14 @@ import torch
 from megatron_gspo.config import ModelConfig, RolloutConfig
 from megatron_gspo.rollout.hf_model import RouteRecorder, build_hf_model, moe_layer_indices
 from megatron_gspo.rollout.hf_weights import HFWeightLayout, iter_safetensors_directory
-from megatron_gspo.rollout.sampling import sample_tokens, temperature_log_probs
+from megatron_gspo.rollout.sampling import UniformStreams, sample_tokens, temperature_log_probs
 from megatron_gspo.rollout.types import (
     PAUSE_MODES,
     GenerateRequest,
     GenerateResult,
     RolloutEngine,
     RolloutEngineError,
+    StableTensorStream,
     SyncStats,
     expand_samples,
     routed_experts_dtype,
@@ -75,17 +77,22 @@ class _Sample:
         return len(self.request.input_ids)
 
 
-def _early_stop_mask(batch: Sequence[_Sample], vocab_size: int) -> Optional[torch.Tensor]:
-    """``[B, V]`` bool, True at the stop tokens of rows with ``min_new_tokens > 0`` (None when no
-    row has one): what SGLang's ``min_new_tokens`` forbids while a row is still short of it."""
-    if not any(sample.request.min_new_tokens for sample in batch):
-        return None
-    mask = torch.zeros(len(batch), vocab_size, dtype=torch.bool)
+def _held_back_stops(
+    batch: Sequence[_Sample], generated: int, vocab_size: int
+) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+    """``([N] rows, [N] token ids)``: the stop tokens SGLang's ``min_new_tokens`` forbids in rows
+    that have generated fewer tokens than it (None when there are none). Sparse, since a
+    ``[B, V]`` mask costs a pass over 10M entries per step at a 150k vocabulary."""
+    rows: list[int] = []
+    tokens: list[int] = []
     for row, sample in enumerate(batch):
-        if sample.request.min_new_tokens:
-            tokens = [t for t in sample.request.stop_token_ids if t < vocab_size]
-            mask[row, tokens] = True
-    return mask
+        if sample.request.min_new_tokens > generated:
+            stops = {t for t in sample.request.stop_token_ids if t < vocab_size}
+            rows.extend([row] * len(stops))
+            tokens.extend(sorted(stops))
+    if not rows:
+        return None
+    return torch.tensor(rows), torch.tensor(tokens)
 
 
 class EmbeddedEngine(RolloutEngine):
@@ -247,8 +254,11 @@ class EmbeddedEngine(RolloutEngine):
         start = time.perf_counter()
         # Staging runs outside the model lock (the stream may read disk or a network), so
         # generation only stops for the final copy.
+        # A stable stream (the trainer's own parameters, unchanged during the sync) is staged by
+        # reference: no second copy of the model exists at any time.
         staged, num_tensors, num_bytes = self._layout.stage(
-            (name, torch.as_tensor(tensor)) for name, tensor in named_tensors
+            ((name, torch.as_tensor(tensor)) for name, tensor in named_tensors),
+            borrow=isinstance(named_tensors, StableTensorStream),
         )
         with self._model_lock:
             self._layout.commit(staged)
@@ -297,6 +307,15 @@ class EmbeddedEngine(RolloutEngine):
             raise ValueError(
                 f"request {request.request_id!r}: prompt of {prompt_length} tokens leaves no room "
                 f"to generate within max_position_embeddings={self.max_positions}"
+            )
+        if (
+            request.min_new_tokens
+            and len({t for t in request.stop_token_ids if t < self.vocab_size}) == self.vocab_size
+        ):
+            raise ValueError(
+                f"request {request.request_id!r}: every token of the vocabulary is a stop token, "
+                f"so none may be sampled before min_new_tokens={request.min_new_tokens}; leave "
+                "at least one token out of stop_token_ids"
             )
         if request.return_routed_experts and not self.moe_layer_indices:
             raise ValueError(
@@ -354,7 +373,7 @@ class EmbeddedEngine(RolloutEngine):
         version that produced them and, if asked, the routes ``[B, S, M, K]`` of every position.
         """
         batch_size, seq_len = input_ids.shape
-        with self._model_lock, torch.no_grad():
+        with self._model_lock, torch.inference_mode():
             self._recorder.enabled = want_routes
             try:
                 output = self.hf_model(
@@ -373,6 +392,13 @@ class EmbeddedEngine(RolloutEngine):
             return output.logits[:, -1, :].float(), self._weight_version, routes
 
     def _generate_batch(self, batch: list[_Sample]) -> None:
+        # Inference mode, not just no_grad: no version counters or view tracking on the ~100
+        # small ops of a decode step (~10% of a step of a small model on CPU); the tensors that
+        # leave (tokens, log-probs, routes) are read, never updated in place.
+        with torch.inference_mode():
+            self._decode_batch(batch)
+
+    def _decode_batch(self, batch: list[_Sample]) -> None:
         from transformers import DynamicCache
 
         with self._state:
@@ -385,13 +411,22 @@ class EmbeddedEngine(RolloutEngine):
             input_ids[row, start:] = torch.tensor(sample.request.input_ids)
             attention_mask[row, start:] = 1
         position_ids = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)
+        # Without left padding the mask is all ones: leave it out (same attention, and the
+        # model then skips building and checking it at every step).
+        if all(sample.prompt_length == padded_length for sample in batch):
+            attention_mask = None
         temperatures = torch.tensor([s.request.temperature for s in batch], dtype=torch.float32)
         top_p = torch.tensor([s.request.top_p for s in batch], dtype=torch.float32)
         top_k = torch.tensor([s.request.top_k for s in batch], dtype=torch.long)
-        generators = [torch.Generator().manual_seed(s.seed) for s in batch]
+        streams = UniformStreams([s.seed if s.request.temperature > 0 else None for s in batch])
         prompt_lengths = torch.tensor([s.prompt_length for s in batch], dtype=torch.long)
-        min_new_tokens = torch.tensor([s.request.min_new_tokens for s in batch])
-        early_stops = _early_stop_mask(batch, self.vocab_size)
+        # The held-back stop tokens change only when rows leave or reach min_new_tokens.
+        thresholds = {
+            s.request.min_new_tokens
+            for s in batch
+            if s.request.min_new_tokens and s.request.stop_token_ids
+        }
+        held_back = _held_back_stops(batch, 0, self.vocab_size) if thresholds else None
         want_routes = any(s.request.return_routed_experts for s in batch)
         cache = DynamicCache(config=self.hf_model.config)
 
@@ -414,12 +449,10 @@ class EmbeddedEngine(RolloutEngine):
             running = [row for row, sample in enumerate(live) if sample.finish_reason is None]
             if running:
                 log_probs = temperature_log_probs(logits, temperatures)
-                sampling_log_probs = log_probs
-                if early_stops is not None and bool((min_new_tokens > generated).any()):
-                    # Only sampling sees the mask; the reported log-probs stay the full ones.
-                    suppress = early_stops & (min_new_tokens > generated).unsqueeze(1)
-                    sampling_log_probs = log_probs.masked_fill(suppress, float("-inf"))
-                tokens = sample_tokens(sampling_log_probs, temperatures, top_p, top_k, generators)
+                # Only sampling sees the held-back stops; the reported log-probs stay the full ones.
+                tokens = sample_tokens(
+                    log_probs, temperatures, top_p, top_k, streams.next(), excluded=held_back
+                )
                 # One conversion per step instead of one tensor index per row.
                 token_list = tokens.tolist()
                 chosen = log_probs.gather(1, tokens.unsqueeze(1)).squeeze(1).tolist()
@@ -429,20 +462,24 @@ class EmbeddedEngine(RolloutEngine):
             keep = [row for row, sample in enumerate(live) if sample.finish_reason is None]
             if not keep:
                 break
-            if len(keep) < len(live):
+            rows_left = len(keep) < len(live)
+            if rows_left:
                 # Finished rows leave the batch (and the KV cache) instead of decoding padding.
                 index = torch.tensor(keep)
                 cache.batch_select_indices(index)
-                attention_mask, tokens = attention_mask[index], tokens[index]
+                tokens = tokens[index]
                 temperatures, top_p, top_k = temperatures[index], top_p[index], top_k[index]
-                prompt_lengths, min_new_tokens = prompt_lengths[index], min_new_tokens[index]
-                if early_stops is not None:
-                    early_stops = early_stops[index]
-                generators = [generators[row] for row in keep]
+                prompt_lengths = prompt_lengths[index]
+                streams.keep(keep)
                 live = [live[row] for row in keep]
-            attention_mask = torch.cat(
-                [attention_mask, torch.ones(len(live), 1, dtype=torch.long)], dim=1
-            )
+                if attention_mask is not None:
+                    attention_mask = attention_mask[index]
+            if thresholds and (rows_left or generated in thresholds):
+                held_back = _held_back_stops(live, generated, self.vocab_size)
+            if attention_mask is not None:
+                attention_mask = torch.cat(
+                    [attention_mask, torch.ones(len(live), 1, dtype=torch.long)], dim=1
+                )
             # The token just sampled sits at position prompt_length + generated - 1.
             position_ids = (prompt_lengths + (generated - 1)).unsqueeze(1)
             logits, version, routes = self._forward(

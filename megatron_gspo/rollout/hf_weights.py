@@ -12,7 +12,11 @@ entries ``qwen2_moe`` — shared by ``qwen3_moe`` — and ``mixtral``)::
 
 A load is staged: every tensor is checked (known name, not seen before, exact shape) and copied
 into a staging buffer; the model's parameters change only after the whole set has arrived, so a
-bad stream leaves the model untouched.
+bad stream (an unknown, repeated, mis-shaped or missing tensor, or a producer that raises midway)
+leaves the model untouched. Staging costs one model's worth of memory; a producer whose tensors
+stay valid and unchanged until the load ends (views of another live model that nothing updates
+meanwhile, the trainer's weight stream) may be staged by reference instead (``borrow=True``):
+the same checks, the same all-or-nothing commit, no staging copy.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -42,6 +46,16 @@ def _expert_names(layer_prefix: str, expert: int, mixtral: bool) -> tuple[str, s
         return f"{base}.w1.weight", f"{base}.w3.weight", f"{base}.w2.weight"
     base = f"{layer_prefix}.mlp.experts.{expert}"
     return f"{base}.gate_proj.weight", f"{base}.up_proj.weight", f"{base}.down_proj.weight"
+
+
+@dataclass
+class StagedWeights:
+    """A checked, complete weight set waiting for :meth:`HFWeightLayout.commit`."""
+
+    buffers: dict[str, torch.Tensor] = field(default_factory=dict)
+    """Copies, one buffer per parameter (``borrow=False``)."""
+    borrowed: list[tuple[_Target, torch.Tensor]] = field(default_factory=list)
+    """The producer's own tensors and where each goes (``borrow=True``)."""
 
 
 class HFWeightLayout:
@@ -102,23 +116,31 @@ class HFWeightLayout:
             target = self.targets[disk_name]
             yield disk_name, self.view(self.parameters[target.param_name], target)
 
-    def load(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> tuple[int, int]:
+    def load(
+        self, named_tensors: Iterable[tuple[str, torch.Tensor]], *, borrow: bool = False
+    ) -> tuple[int, int]:
         """Stage then commit a complete set of on-disk tensors; ``(num_tensors, num_bytes)``."""
-        staged, num_tensors, num_bytes = self.stage(named_tensors)
+        staged, num_tensors, num_bytes = self.stage(named_tensors, borrow=borrow)
         self.commit(staged)
         return num_tensors, num_bytes
 
     def stage(
-        self, named_tensors: Iterable[tuple[str, torch.Tensor]]
-    ) -> tuple[dict[str, torch.Tensor], int, int]:
-        """Check and copy a complete set of on-disk tensors into new buffers (model untouched).
+        self, named_tensors: Iterable[tuple[str, torch.Tensor]], *, borrow: bool = False
+    ) -> tuple[StagedWeights, int, int]:
+        """Check a complete set of on-disk tensors and stage it for :meth:`commit` (model untouched).
 
-        Returns ``(staged buffers by parameter name, num_tensors, num_bytes)``. Raises
-        ``ValueError`` naming the tensor for an unknown, repeated or mis-shaped name, and listing
-        the missing names at the end. Tensors are cast to the parameter dtype (exact for equal
-        dtypes).
+        Returns ``(staged weights, num_tensors, num_bytes)``. Raises ``ValueError`` naming the
+        tensor for an unknown, repeated or mis-shaped name, and listing the missing names at the
+        end; an exception of the producer propagates. Either way nothing was written to the
+        model. Tensors are cast to the parameter dtype (exact for equal dtypes).
+
+        ``borrow=False`` copies each tensor on arrival into a staging buffer the shape of its
+        parameter (one model's worth of memory until :meth:`commit`), so the producer may reuse
+        or change its tensors as soon as it has yielded them. ``borrow=True`` keeps references
+        instead (no staging memory): every tensor must stay valid and unchanged until
+        :meth:`commit` has returned, which a :class:`StableTensorStream` promises.
         """
-        staged: dict[str, torch.Tensor] = {}
+        staged = StagedWeights()
         seen: set[str] = set()
         num_bytes = 0
         for disk_name, tensor in named_tensors:
@@ -135,10 +157,16 @@ class HFWeightLayout:
                     f"expects {self.shapes[disk_name]} (check the model config against the sender)"
                 )
             seen.add(disk_name)
-            if target.param_name not in staged:
-                staged[target.param_name] = torch.empty_like(self.parameters[target.param_name])
-            with torch.no_grad():
-                self.view(staged[target.param_name], target).copy_(tensor.detach())
+            if borrow:
+                staged.borrowed.append((target, tensor.detach()))
+            else:
+                buffers = staged.buffers
+                if target.param_name not in buffers:
+                    buffers[target.param_name] = torch.empty_like(
+                        self.parameters[target.param_name]
+                    )
+                with torch.no_grad():
+                    self.view(buffers[target.param_name], target).copy_(tensor.detach())
             num_bytes += tensor.numel() * tensor.element_size()
         missing = sorted(set(self.targets) - seen)
         if missing:
@@ -151,15 +179,17 @@ class HFWeightLayout:
             )
         return staged, len(seen), num_bytes
 
-    def commit(self, staged: dict[str, torch.Tensor]) -> None:
-        """Copy staged buffers into the parameters.
+    def commit(self, staged: StagedWeights) -> None:
+        """Copy the staged weights into the parameters (in place: views of them stay valid).
 
         :meth:`stage` accepted the set only if every on-disk name arrived, so gate+up halves and
         all experts of a packed parameter are covered and each buffer is fully written.
         """
         with torch.no_grad():
-            for param_name, buffer in staged.items():
+            for param_name, buffer in staged.buffers.items():
                 self.parameters[param_name].copy_(buffer)
+            for target, tensor in staged.borrowed:
+                self.view(self.parameters[target.param_name], target).copy_(tensor)
 
     def _hint(self, disk_name: str) -> str:
         if disk_name == "lm_head.weight" and "lm_head.weight" not in self.parameters:

@@ -254,6 +254,23 @@ class RolloutEngine(abc.ABC):
         self.close()
 
 
+class StableTensorStream(Iterator[tuple[str, Any]]):
+    """``(name, tensor)`` pairs whose tensors stay valid and unchanged until the consumer that
+    drains the stream has returned: fresh tensors nobody else writes, or views of a model that
+    nothing updates meanwhile (the trainer's weight stream during a sync,
+    ``engine.hf_weights.iter_hf_weights``). A loader may therefore stage them by reference
+    (``HFWeightLayout.stage(..., borrow=True)``) instead of copying them."""
+
+    def __init__(self, pairs: Iterable[tuple[str, Any]]):
+        self._pairs = iter(pairs)
+
+    def __iter__(self) -> StableTensorStream:
+        return self
+
+    def __next__(self) -> tuple[str, Any]:
+        return next(self._pairs)
+
+
 def sync_weights_paused(
     engine: RolloutEngine,
     named_tensors: Iterator[tuple[str, Any]],

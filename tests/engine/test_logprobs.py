@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
@@ -12,10 +13,11 @@ import pytest
 import torch
 
 from megatron_gspo.engine import logprobs
-from megatron_gspo.engine.logprobs import vocab_parallel_log_probs
+from megatron_gspo.engine.logprobs import default_chunk_size, vocab_parallel_log_probs
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 WORKER = Path(__file__).with_name("logprobs_tp_worker.py")
+DDP_WORKER = Path(__file__).with_name("logprobs_ddp_worker.py")
 
 
 def reference_log_probs(hidden, weight, labels, temperature, vocab_size=None):
@@ -88,6 +90,78 @@ def test_matches_float64_reference(with_entropy, temperature, chunk_size, block_
     for grad, ref_grad in zip(grads, ref_grads):
         assert grad.dtype == torch.float32
         torch.testing.assert_close(grad.double(), ref_grad, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("local_vocab", "hidden_size", "dtype", "expected"),
+    [
+        (151_936, 64, torch.float32, 64),  # Qwen3's vocab, tiny model: the weight-shard budget
+        (151_936 // 8, 64, torch.float32, 256),  # the same vocab over tp = 8
+        (151_936, 256, torch.float32, 256),  # benchmarks/logprob_memory.py's shape
+        (151_936, 4096, torch.bfloat16, 256),  # a real model: never above the measured 256
+        (32_000, 64, torch.float32, 256),  # 32 MiB floor
+        (64, 64, torch.float32, 256),
+        (1_000_000, 4, torch.float32, 8),  # 32 MiB floor / 4 MB per token
+        (1_000_000, 20, torch.float32, 16),  # the 80 MB weight shard / 4 MB per token
+        (10_000_000, 1, torch.float32, 1),  # one token is the whole weight shard
+    ],
+)
+def test_default_chunk_size_keeps_the_logits_buffer_within_budget(
+    local_vocab, hidden_size, dtype, expected
+):
+    chunk = default_chunk_size(local_vocab, hidden_size, dtype)
+    assert chunk == expected
+    element_bytes = torch.empty((), dtype=dtype).element_size()
+    row_bytes = local_vocab * (4 + (element_bytes if dtype != torch.float32 else 0))
+    budget = max(logprobs.LOGITS_BUDGET_FLOOR_BYTES, local_vocab * hidden_size * element_bytes)
+    assert chunk == 1 or chunk * row_bytes <= budget
+    assert 1 <= chunk <= logprobs.DEFAULT_CHUNK_SIZE
+
+
+def test_default_chunks_by_memory_match_float64_reference(monkeypatch):
+    # A 1.6 kB floor makes the weight shard (50 x 16 fp32 = 3.2 kB) the budget: 16 tokens per
+    # chunk, so the 40 tokens take three chunks, the last one partial.
+    monkeypatch.setattr(logprobs, "LOGITS_BUDGET_FLOOR_BYTES", 1600)
+    assert default_chunk_size(50, 16, torch.float32) == 16
+    hidden, weight, labels, grad_lp, grad_ent = make_inputs(seed=6)
+    hidden.requires_grad_()
+    weight.requires_grad_()
+    log_probs, entropy = vocab_parallel_log_probs(
+        hidden, weight, labels, tp_group=None, temperature=0.9, with_entropy=True
+    )
+    grads = gradients(log_probs, entropy, grad_lp, grad_ent, (hidden, weight))
+    explicit = vocab_parallel_log_probs(
+        hidden, weight, labels, tp_group=None, temperature=0.9, chunk_size=16, with_entropy=True
+    )
+    assert torch.equal(log_probs, explicit[0]) and torch.equal(entropy, explicit[1])
+
+    hidden64 = hidden.detach().double().requires_grad_()
+    weight64 = weight.detach().double().requires_grad_()
+    ref_log_probs, ref_entropy = reference_log_probs(hidden64, weight64, labels, 0.9)
+    torch.testing.assert_close(log_probs.double(), ref_log_probs, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(entropy.double(), ref_entropy, rtol=1e-5, atol=1e-5)
+    ref_grads = gradients(
+        ref_log_probs, ref_entropy, grad_lp.double(), grad_ent.double(), (hidden64, weight64)
+    )
+    for grad, ref_grad in zip(grads, ref_grads):
+        torch.testing.assert_close(grad.double(), ref_grad, rtol=1e-5, atol=1e-5)
+
+
+def test_weight_gradient_goes_into_megatron_main_grad():
+    """Under Megatron DDP (TrainEngine, several micro-batches and chunks) the weight gradient is
+    added to ``main_grad`` directly and equals DDP's own accumulation of the autograd gradient,
+    for untied (entropy backward) and tied embeddings (log-prob backward, ``zero_out_wgrad``)."""
+    from worker_launch import run_worker, worker_command
+
+    report = json.loads(run_worker(worker_command(DDP_WORKER, 1), timeout=300).splitlines()[-1])
+    assert sorted(report) == ["dense", "moe"]
+    for case, result in report.items():
+        assert result["fused_calls"] and all(result["fused_calls"]), case
+        assert not any(result["plain_calls"]), case
+        assert len(result["fused_calls"]) == len(result["plain_calls"]), case
+        # The same sums in another fp32 order.
+        assert result["max_relative_error"] < 1e-6, (case, result)
+        assert result["grads_left_on_params"] == [], case
 
 
 def test_entropy_alone_carries_gradient():

@@ -43,6 +43,9 @@ def _tokens(request, result) -> list[int]:
 def _reference_log_probs(hf_model, request, result, temperature: float) -> np.ndarray:
     """``log_softmax(logits / T)`` of the generated tokens from one float64 forward."""
     model64 = copy.deepcopy(hf_model).double()
+    # Eager attention: the reference implementation, a code path independent of the engine's
+    # SDPA kernel.
+    model64.set_attn_implementation("eager")
     if hasattr(model64.model.layers[-1].mlp, "experts"):
         # torch's grouped_mm has no float64 kernel; the per-expert loop is also an independent
         # code path from the engine's grouped_mm.
@@ -65,6 +68,48 @@ def test_log_probs_match_full_forward(architecture):
         assert result.output_log_probs.dtype == np.float32
         reference = _reference_log_probs(engine.hf_model, request, result, temperature=0.7)
         np.testing.assert_allclose(result.output_log_probs, reference, atol=1e-5, rtol=0)
+
+
+def test_generation_is_bit_reproducible(model_config):
+    """Same seeds, same weights: identical tokens, log-probs and routes, bit for bit, from the
+    same engine twice and from a fresh one (SDPA attention, padded batch, truncation,
+    held-back stops and n > 1)."""
+    requests = _requests(
+        5, temperature=1.0, top_p=0.95, return_routed_experts=True, max_new_tokens=8
+    )
+    requests = [
+        GenerateRequest(**{**request.__dict__, "stop_token_ids": [3, 4], "min_new_tokens": 3})
+        for request in requests
+    ]
+    engine = EmbeddedEngine(model_config, seed=1)
+    first = engine.generate(requests, n=2)
+    again = engine.generate(requests, n=2)
+    fresh = EmbeddedEngine(model_config, seed=1).generate(requests, n=2)
+    for one, two, three in zip(first, again, fresh):
+        assert one.output_ids == two.output_ids == three.output_ids
+        assert one.output_log_probs.tobytes() == two.output_log_probs.tobytes()
+        assert one.output_log_probs.tobytes() == three.output_log_probs.tobytes()
+        assert np.array_equal(one.routed_experts, two.routed_experts)
+        assert np.array_equal(one.routed_experts, three.routed_experts)
+    assert len({tuple(r.output_ids) for r in first}) > 1
+
+
+def test_large_vocabulary_samples_and_log_probs():
+    """A vocabulary of 2,500 (two-level inverse-CDF search with a tail block) under
+    ``min_new_tokens``: held-back stops are never sampled, and the log-probs are the full
+    distribution's, within 1e-5 of a float64 eager forward."""
+    engine = EmbeddedEngine(tiny_model_config(vocab_size=2500), seed=4)
+    stops = list(range(2000, 2500))  # a fifth of the vocabulary stops a response
+    requests = _requests(3, temperature=1.0, stop_token_ids=stops, min_new_tokens=6)
+    results = engine.generate(requests, n=2)
+    for position, result in enumerate(results):
+        request = requests[position // 2]
+        assert len(result.output_ids) == 6 and result.finish_reason == "length"
+        assert not set(result.output_ids) & set(stops)
+        reference = _reference_log_probs(engine.hf_model, request, result, temperature=1.0)
+        np.testing.assert_allclose(result.output_log_probs, reference, atol=1e-5, rtol=0)
+    free = engine.generate([GenerateRequest(**{**requests[0].__dict__, "min_new_tokens": 0})], n=8)
+    assert any(r.finish_reason == "stop" for r in free)
 
 
 def test_greedy_is_argmax_and_reports_temperature_one_log_probs(engine):
@@ -229,6 +274,14 @@ def test_invalid_requests_are_refused_before_any_work(engine):
         GenerateRequest(input_ids=[1], max_new_tokens=0)
     with pytest.raises(ValueError, match="top_p"):
         GenerateRequest(input_ids=[1], max_new_tokens=1, top_p=0.0)
+    with pytest.raises(ValueError, match="every token of the vocabulary is a stop token"):
+        engine.generate(
+            [
+                GenerateRequest(
+                    input_ids=[1], max_new_tokens=2, stop_token_ids=range(96), min_new_tokens=1
+                )
+            ]
+        )
     dense = EmbeddedEngine(tiny_model_config("qwen3"), seed=0)
     with pytest.raises(ValueError, match="dense"):
         dense.generate(

@@ -7,7 +7,8 @@ import torch
 from safetensors.torch import load_file
 
 from megatron_gspo.rollout.embedded import EmbeddedEngine
-from megatron_gspo.rollout.hf_weights import iter_safetensors_directory
+from megatron_gspo.rollout.hf_weights import HFWeightLayout, iter_safetensors_directory
+from megatron_gspo.rollout.types import StableTensorStream
 from tests.rollout.conftest import tiny_model_config
 
 ARCHITECTURES = ("qwen3_moe", "mixtral", "qwen2_moe", "qwen3")
@@ -94,6 +95,116 @@ def test_failed_syncs_name_the_tensor_and_leave_the_model_untouched(tmp_path):
         iter([*saved, ("model.layers.1.mlp.experts.gate_up_proj", torch.zeros(4, 48, 32))]),
         "per-expert on-disk names",
     )
+
+
+def _raising_midway(pairs, after: int):
+    """The producer fails (a collective, a socket, a disk) after ``after`` tensors."""
+    for index, pair in enumerate(pairs):
+        if index == after:
+            raise ConnectionError("weight producer died")
+        yield pair
+
+
+def test_producer_failing_midway_leaves_the_model_untouched(tmp_path):
+    config = tiny_model_config()
+    source, target = EmbeddedEngine(config, seed=1), EmbeddedEngine(config, seed=2)
+    saved = list(_saved_state(source, tmp_path).items())
+    before = _parameters(target)
+    with pytest.raises(ConnectionError, match="producer died"):
+        target.sync_weights(_raising_midway(saved, len(saved) - 1), version=3)
+    assert target.weight_version == 0
+    for name, param in target.hf_model.named_parameters():
+        assert torch.equal(param, before[name]), f"{name} changed by a failed sync"
+
+
+@pytest.mark.parametrize("borrow", [False, True], ids=["copy", "borrow"])
+def test_layout_load_is_all_or_nothing_when_borrowing_too(borrow, tmp_path):
+    config = tiny_model_config()
+    source, target = EmbeddedEngine(config, seed=1), EmbeddedEngine(config, seed=2)
+    layout = HFWeightLayout(target.hf_model)
+    saved = list(_saved_state(source, tmp_path).items())
+    expert = "model.layers.1.mlp.experts.2.up_proj.weight"
+    before = _parameters(target)
+    bad_streams = [
+        (_raising_midway(saved, len(saved) // 2), ConnectionError),
+        (iter([(n, t) for n, t in saved if n != expert]), ValueError),
+        (iter([(n, torch.zeros(3, 3) if n == expert else t) for n, t in saved]), ValueError),
+        (iter([*saved, saved[0]]), ValueError),
+    ]
+    for stream, error in bad_streams:
+        with pytest.raises(error):
+            layout.load(StableTensorStream(stream), borrow=borrow)
+        for name, param in target.hf_model.named_parameters():
+            assert torch.equal(param, before[name]), f"{name} changed by a failed load"
+    assert layout.load(StableTensorStream(iter(saved)), borrow=borrow) == (
+        len(saved),
+        sum(t.numel() * t.element_size() for _, t in saved),
+    )
+    for name, param in source.hf_model.named_parameters():
+        assert torch.equal(param, dict(target.hf_model.named_parameters())[name]), name
+
+
+def test_borrowing_stages_references_and_copying_survives_a_reused_buffer(tmp_path):
+    config = tiny_model_config()
+    source, target = EmbeddedEngine(config, seed=1), EmbeddedEngine(config, seed=2)
+    layout = HFWeightLayout(target.hf_model)
+    saved = _saved_state(source, tmp_path)
+
+    staged, num_tensors, _ = layout.stage(iter(saved.items()), borrow=True)
+    assert num_tensors == len(saved) and not staged.buffers
+    assert all(
+        any(tensor.data_ptr() == t.data_ptr() for t in saved.values())
+        for _, tensor in staged.borrowed
+    )
+
+    def reused_buffers():
+        # A receiver that overwrites one buffer per shape for every tensor: fine to copy from,
+        # wrong to borrow from.
+        buffers: dict = {}
+        for name, tensor in saved.items():
+            buffer = buffers.setdefault((tensor.shape, tensor.dtype), torch.empty_like(tensor))
+            yield name, buffer.copy_(tensor)
+
+    staged, _, _ = layout.stage(reused_buffers(), borrow=False)
+    assert not staged.borrowed
+    layout.commit(staged)
+    for name, param in source.hf_model.named_parameters():
+        assert torch.equal(param, dict(target.hf_model.named_parameters())[name]), name
+
+
+def _peak_rss_growth_bytes(function) -> int | None:
+    """Peak RSS during ``function()`` above the RSS before it (Linux ``clear_refs``), or None."""
+
+    def status_kb(field: str) -> int:
+        with open("/proc/self/status") as status:
+            return next(int(line.split()[1]) for line in status if line.startswith(field + ":"))
+
+    try:
+        with open("/proc/self/clear_refs", "w") as clear_refs:
+            clear_refs.write("5")
+    except OSError:
+        return None
+    start = status_kb("VmRSS")
+    function()
+    return (status_kb("VmHWM") - start) * 1024
+
+
+def test_borrowed_load_needs_no_staging_memory():
+    # Vocab 100k at hidden 32: embedding + output layer are 25.6 MB of the model's ~26 MB.
+    config = tiny_model_config(vocab_size=100_000)
+    source, target = EmbeddedEngine(config, seed=1), EmbeddedEngine(config, seed=2)
+    layout = HFWeightLayout(target.hf_model)
+    model_bytes = sum(t.numel() * t.element_size() for _, t in source.hf_state())
+    borrowed = _peak_rss_growth_bytes(
+        lambda: layout.load(StableTensorStream(source.hf_state()), borrow=True)
+    )
+    if borrowed is None:
+        pytest.skip("/proc/self/clear_refs is not writable here (peak RSS cannot be reset)")
+    # Copying would stage the whole model first (one model's bytes; not asserted, since freed
+    # heap pages that are still resident may serve it).
+    assert borrowed < 0.2 * model_bytes, (borrowed, model_bytes)
+    for name, tensor in target.hf_state():
+        assert torch.equal(tensor, dict(source.hf_state())[name]), name
 
 
 def test_bf16_tensors_are_cast_to_the_model_dtype(tmp_path):
