@@ -23,9 +23,7 @@ from __future__ import annotations
 import copy
 import functools
 import json
-import os
 import statistics
-import subprocess
 import sys
 import time
 import traceback
@@ -34,8 +32,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from worker_launch import run_json_worker
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
 CHECKS = [
     "matches_upstream",
     "matches_upstream_for_other_activations",
@@ -47,18 +45,7 @@ TOLERANCE = 1e-6
 
 @pytest.fixture(scope="module")
 def results() -> dict:
-    env = dict(os.environ, PYTHONPATH=f"{REPO_ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
-    env["OMP_NUM_THREADS"] = "1"
-    result = subprocess.run(
-        [sys.executable, str(Path(__file__))],
-        cwd=REPO_ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert result.returncode == 0, result.stderr[-6000:]
-    return json.loads(result.stdout.strip().splitlines()[-1])
+    return run_json_worker(Path(__file__), timeout=300)
 
 
 def test_every_check_ran(results):

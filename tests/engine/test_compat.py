@@ -8,30 +8,15 @@ exercises the uneven all-gather (15 uneven gathers per step); dense pp2 the tied
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-
-REPO_ROOT = Path(__file__).resolve().parents[2]
+from worker_launch import run_json_worker
 
 
 @pytest.fixture(scope="module")
 def report() -> dict:
-    env = dict(os.environ, PYTHONPATH=f"{REPO_ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
-    result = subprocess.run(
-        [sys.executable, str(Path(__file__).with_name("compat_worker.py"))],
-        cwd=REPO_ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert result.returncode == 0, result.stderr[-6000:]
-    return json.loads(result.stdout.strip().splitlines()[-1])
+    return run_json_worker(Path(__file__).with_name("compat_worker.py"), timeout=300)
 
 
 def test_every_shim_has_a_necessity_probe_and_a_check(report):

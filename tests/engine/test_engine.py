@@ -11,15 +11,11 @@
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from worker_launch import run_json_worker
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
 WORKER = Path(__file__).with_name("engine_checks_worker.py")
 CHECKS = [
     "next_token_alignment_and_temperature",
@@ -36,18 +32,7 @@ CHECKS = [
 
 @pytest.fixture(scope="module")
 def results() -> dict:
-    env = dict(os.environ, PYTHONPATH=f"{REPO_ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
-    env["OMP_NUM_THREADS"] = "1"
-    result = subprocess.run(
-        [sys.executable, str(WORKER)],
-        cwd=REPO_ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert result.returncode == 0, result.stderr[-6000:]
-    return json.loads(result.stdout.strip().splitlines()[-1])
+    return run_json_worker(WORKER, timeout=600)
 
 
 def test_every_check_ran(results):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
@@ -51,3 +52,9 @@ def run_worker(command: list[str], timeout: int) -> str:
             f"{result.stderr[-8000:]}"
         )
     return result.stdout
+
+
+def run_json_worker(worker: Path, timeout: int) -> dict:
+    """Run ``python WORKER`` in a fresh process (the CPU shims change torch and Megatron
+    globals); the JSON object on the last line of its stdout."""
+    return json.loads(run_worker(worker_command(worker, 1), timeout).strip().splitlines()[-1])
