@@ -103,7 +103,7 @@ def build_optimizer(cfg: TrainConfig, model: Sequence[torch.nn.Module]):
     if not cuda_available():
         # Without TE/apex Megatron falls back to torch.optim.AdamW with neither `foreach` nor
         # `fused`: a Python loop over tensors. Torch's fused CPU kernel applies the same update
-        # (to the last bit on the layouts we test) several times faster. Set before the first
+        # (equal to float rounding: ~1 ulp per step) several times faster. Set before the first
         # step, which creates the state.
         for sub in sub_optimizers(optimizer):
             for group in sub.optimizer.param_groups:
