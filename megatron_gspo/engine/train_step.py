@@ -44,6 +44,7 @@ from megatron.core.transformer.moe.moe_utils import (
 from megatron_gspo.algo import policy_loss
 from megatron_gspo.config import TrainConfig
 from megatron_gspo.engine.batches import (
+    GlobalDenominators,
     MicroBatch,
     build_micro_batches,
     global_denominators,
@@ -281,15 +282,30 @@ class TrainEngine:
         finally:
             self._offload_reference()
 
-    def _plan(self, samples: Sequence[TrainSample]) -> list[list[int]]:
+    def _micro_batches(
+        self, samples: Sequence[TrainSample], **options: bool
+    ) -> tuple[GlobalDenominators, list[MicroBatch]]:
+        """The mini-batch's global denominators and this rank's packed micro-batches
+        (``options``: :func:`build_micro_batches`' ``with_*`` flags)."""
+        parallel = self.parallel
         plan = plan_mini_batch(
             samples,
-            dp_size=self.parallel.dp,
+            dp_size=parallel.dp,
             micro_batch_tokens=self.cfg.parallel.micro_batch_tokens,
             multiple=self.multiple,
-            micro_batches_multiple=self.parallel.pp if self.parallel.vpp > 1 else 1,
+            micro_batches_multiple=parallel.pp if parallel.vpp > 1 else 1,
         )
-        return plan[self.parallel.dp_rank]
+        denominators = global_denominators(samples)
+        micro_batches = build_micro_batches(
+            samples,
+            plan[parallel.dp_rank],
+            lengths=denominators.lengths,
+            multiple=self.multiple,
+            cp_size=parallel.cp,
+            cp_rank=parallel.cp_rank,
+            **options,
+        )
+        return denominators, micro_batches
 
     def _run_schedule(
         self,
@@ -382,16 +398,7 @@ class TrainEngine:
         if reference and record_routes:
             raise ValueError("record_routes: the old policy's routes come from the policy model")
         model = self.reference_model if reference else self.model
-        denominators = global_denominators(samples)
-        micro_batches = build_micro_batches(
-            samples,
-            self._plan(samples),
-            lengths=denominators.lengths,
-            multiple=self.multiple,
-            cp_size=self.parallel.cp,
-            cp_rank=self.parallel.cp_rank,
-            with_loss_inputs=False,
-        )
+        _, micro_batches = self._micro_batches(samples, with_loss_inputs=False)
         offsets = [0]
         for sample in samples:
             offsets.append(offsets[-1] + sample.response_length)
@@ -450,16 +457,7 @@ class TrainEngine:
             need_advantages=True,
             need_ref=algo.use_kl_loss,
         )
-        denominators = global_denominators(samples)
-        micro_batches = build_micro_batches(
-            samples,
-            self._plan(samples),
-            lengths=denominators.lengths,
-            multiple=self.multiple,
-            cp_size=self.parallel.cp,
-            cp_rank=self.parallel.cp_rank,
-            with_ref=algo.use_kl_loss,
-        )
+        denominators, micro_batches = self._micro_batches(samples, with_ref=algo.use_kl_loss)
         num_micro_batches = len(micro_batches)
         # Cancels Megatron's x cp / num_microbatches and DDP's / (dp x cp): see module docstring.
         loss_scale = float(num_micro_batches * self.parallel.dp)

@@ -15,12 +15,12 @@ import inspect
 import json
 import re
 import sys
-import traceback
 import warnings
 
 warnings.filterwarnings("ignore")
 
 import torch  # noqa: E402
+from worker_launch import run_checks  # noqa: E402
 
 from megatron_gspo.engine import compat  # noqa: E402
 
@@ -203,13 +203,7 @@ def works_checks() -> dict:
 
 
 def run(checks: dict) -> dict:
-    results = {}
-    for name, check in checks.items():
-        try:
-            results[name] = "ok" if check() else "returned False"
-        except Exception:
-            results[name] = traceback.format_exc(limit=3)
-    return results
+    return run_checks(checks, traceback_limit=3, falsy_fails=True)
 
 
 def main() -> None:

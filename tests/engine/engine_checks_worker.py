@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import math
 import sys
-import traceback
 import warnings
 from pathlib import Path
 
@@ -19,6 +18,7 @@ import torch  # noqa: E402
 sys.path.insert(0, str(Path(__file__).parent))
 
 from layout_worker import VOCAB, make_config, make_samples  # noqa: E402
+from worker_launch import run_checks  # noqa: E402
 
 from megatron_gspo.engine.sharding import gather_full_state  # noqa: E402
 from megatron_gspo.engine.train_step import NonFiniteStepsError, TrainEngine  # noqa: E402
@@ -169,14 +169,7 @@ CHECKS = {name[len("check_") :]: fn for name, fn in globals().items() if name.st
 
 
 def main() -> None:
-    results = {}
-    for name, check in CHECKS.items():
-        try:
-            check()
-            results[name] = "ok"
-        except Exception:
-            results[name] = traceback.format_exc(limit=4)
-    print(json.dumps(results))
+    print(json.dumps(run_checks(CHECKS)))
 
 
 if __name__ == "__main__":

@@ -15,7 +15,6 @@ import argparse
 import json
 import os
 import sys
-import traceback
 import warnings
 from contextlib import contextmanager
 from pathlib import Path
@@ -28,8 +27,8 @@ import torch.distributed as dist  # noqa: E402
 sys.path.insert(0, str(Path(__file__).parent))
 
 from layout_worker import make_config, make_samples, relative_error  # noqa: E402
+from worker_launch import run_checks  # noqa: E402
 
-from megatron_gspo.engine.batches import build_micro_batches, global_denominators  # noqa: E402
 from megatron_gspo.engine.parallel import destroy_parallel  # noqa: E402
 from megatron_gspo.engine.routing_replay import (  # noqa: E402
     OLD_ROUTES_KEY,
@@ -376,18 +375,9 @@ def check_routes_not_consumed_exactly_once_raise() -> None:
     samples = make_samples()
     for sample, route in zip(samples, random_routes(samples)):
         sample.routed_experts = route
-    parallel = engine.parallel
 
     def micro_batches():
-        return build_micro_batches(
-            samples,
-            engine._plan(samples),
-            lengths=global_denominators(samples).lengths,
-            multiple=engine.multiple,
-            cp_size=parallel.cp,
-            cp_rank=parallel.cp_rank,
-            with_loss_inputs=False,
-        )
+        return engine._micro_batches(samples, with_loss_inputs=False)[1]
 
     chunk = engine.model[0]
     router = engine.policy_chunks[0].decoder.layers[1].mlp.router
@@ -446,14 +436,7 @@ CHECKS = {name[len("check_") :]: fn for name, fn in globals().items() if name.st
 
 
 def checks_mode() -> None:
-    results = {}
-    for name, check in CHECKS.items():
-        try:
-            check()
-            results[name] = "ok"
-        except Exception:
-            results[name] = traceback.format_exc(limit=6)
-    print(json.dumps(results))
+    print(json.dumps(run_checks(CHECKS, traceback_limit=6)))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -26,13 +26,12 @@ import json
 import statistics
 import sys
 import time
-import traceback
 import warnings
 from pathlib import Path
 
 import pytest
 import torch
-from worker_launch import run_json_worker
+from worker_launch import run_checks, run_json_worker
 
 CHECKS = [
     "matches_upstream",
@@ -384,14 +383,7 @@ def main() -> None:
     if "--time" in sys.argv:
         time_one_layer()
         return
-    out = {}
-    for name in CHECKS:
-        try:
-            globals()[f"check_{name}"]()
-            out[name] = "ok"
-        except Exception:
-            out[name] = traceback.format_exc(limit=4)
-    print(json.dumps(out))
+    print(json.dumps(run_checks({name: globals()[f"check_{name}"] for name in CHECKS})))
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
-"""Starting the multi-process worker scripts of tests/engine (gloo on 127.0.0.1)."""
+"""Starting the worker scripts of tests/engine (fresh processes; gloo on 127.0.0.1), and the
+checks runner those workers share."""
 
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ import os
 import socket
 import subprocess
 import sys
+import traceback
+from collections.abc import Callable
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -58,3 +61,18 @@ def run_json_worker(worker: Path, timeout: int) -> dict:
     """Run ``python WORKER`` in a fresh process (the CPU shims change torch and Megatron
     globals); the JSON object on the last line of its stdout."""
     return json.loads(run_worker(worker_command(worker, 1), timeout).strip().splitlines()[-1])
+
+
+def run_checks(
+    checks: dict[str, Callable[[], object]], traceback_limit: int = 4, falsy_fails: bool = False
+) -> dict[str, str]:
+    """Inside a worker: each check's outcome, ``"ok"`` or the traceback of what it raised (and,
+    with ``falsy_fails``, ``"returned False"`` for a check whose result is falsy)."""
+    results = {}
+    for name, check in checks.items():
+        try:
+            passed = check()
+            results[name] = "returned False" if falsy_fails and not passed else "ok"
+        except Exception:
+            results[name] = traceback.format_exc(limit=traceback_limit)
+    return results
