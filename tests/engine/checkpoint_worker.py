@@ -37,36 +37,24 @@ CONTINUE = 2
 
 
 def make_config(layout: str):
+    from layout_worker import MODELS, parallel_overrides
+
     from megatron_gspo.config import TrainConfig, from_dict
 
-    parallel: dict = {"micro_batch_tokens": 60}
-    for part in filter(None, layout.split(".")):
-        if part == "distopt":
-            parallel["use_distributed_optimizer"] = True
-        elif not part.startswith("dp"):
-            name = part.rstrip("0123456789")
-            parallel[name] = int(part[len(name) :])
     return from_dict(
         TrainConfig,
         dict(
             seed=11,
             steps=SAVE_AFTER + CONTINUE + 2,
+            # The layout tests' Qwen2-MoE (bias, shared expert, a dense layer), tied embeddings.
             model=dict(
-                architecture="qwen2_moe",
                 vocab_size=VOCAB,
                 hidden_size=64,
                 head_dim=16,
-                num_layers=2,
-                num_experts=4,
-                moe_router_topk=2,
-                moe_renormalize_topk=False,
-                qk_layernorm=False,
-                add_qkv_bias=True,
-                shared_expert_intermediate_size=32,
-                first_k_dense_layers=1,
+                **MODELS["qwen2"],
                 tie_word_embeddings=True,
             ),
-            parallel=parallel,
+            parallel=parallel_overrides(layout, micro_batch_tokens=60),
             algo=dict(
                 rollout_batch_size=2,
                 num_return_sequences_in_group=4,

@@ -61,7 +61,8 @@ MODELS = {
 }
 
 
-def make_config(case: str, layout: str, micro_batch_tokens: int) -> TrainConfig:
+def parallel_overrides(layout: str, micro_batch_tokens: int) -> dict:
+    """``ParallelConfig`` fields of a layout name such as ``tp2.pp2.ep2.distopt``."""
     parallel: dict = {"micro_batch_tokens": micro_batch_tokens}
     for part in filter(None, layout.split(".")):
         if part == "distopt":
@@ -71,6 +72,11 @@ def make_config(case: str, layout: str, micro_batch_tokens: int) -> TrainConfig:
         else:
             name = part.rstrip("0123456789")
             parallel[name] = int(part[len(name) :])
+    return parallel
+
+
+def make_config(case: str, layout: str, micro_batch_tokens: int) -> TrainConfig:
+    parallel = parallel_overrides(layout, micro_batch_tokens)
     model = dict(vocab_size=VOCAB, hidden_size=64, head_dim=16, **MODELS[case])
     return from_dict(
         TrainConfig,
