@@ -347,21 +347,28 @@ def _cuda_named_type(self: torch.Tensor, dtype: Any = None, non_blocking: bool =
     return _REAL_TENSOR_TYPE(self, dtype, non_blocking, **kwargs)
 
 
-def _with_cuda_type_names(function: Callable) -> Callable:
-    """Run ``function`` with ``Tensor.type()`` reporting CPU tensors under their CUDA names."""
+def _with_tensor_method(function: Callable, name: str, replacement: Callable) -> Callable:
+    """Run ``function`` with ``torch.Tensor.<name>`` replaced by ``replacement``, restored on
+    return (the patch is scoped to the upstream call that needs it)."""
     if getattr(function, "_cpu_shim", False):
         return function
+    real = getattr(torch.Tensor, name)
 
     @functools.wraps(function)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
-        torch.Tensor.type = _cuda_named_type
+        setattr(torch.Tensor, name, replacement)
         try:
             return function(*args, **kwargs)
         finally:
-            torch.Tensor.type = _REAL_TENSOR_TYPE
+            setattr(torch.Tensor, name, real)
 
     wrapper._cpu_shim = True
     return wrapper
+
+
+def _with_cuda_type_names(function: Callable) -> Callable:
+    """Run ``function`` with ``Tensor.type()`` reporting CPU tensors under their CUDA names."""
+    return _with_tensor_method(function, "type", _cuda_named_type)
 
 
 @_shim(
@@ -391,24 +398,10 @@ def _shim_tensor_type() -> None:
 # 5b. Tensor.cuda() while tying embeddings across pipeline stages
 # ---------------------------------------------------------------------------------------------
 
-_REAL_TENSOR_CUDA = torch.Tensor.cuda
-
 
 def _with_cuda_as_identity(function: Callable) -> Callable:
     """Run ``function`` with ``Tensor.cuda()`` returning the (CPU) tensor itself."""
-    if getattr(function, "_cpu_shim", False):
-        return function
-
-    @functools.wraps(function)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        torch.Tensor.cuda = lambda self, *a, **k: self
-        try:
-            return function(*args, **kwargs)
-        finally:
-            torch.Tensor.cuda = _REAL_TENSOR_CUDA
-
-    wrapper._cpu_shim = True
-    return wrapper
+    return _with_tensor_method(function, "cuda", lambda self, *args, **kwargs: self)
 
 
 @_shim(
