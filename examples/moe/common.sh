@@ -152,6 +152,43 @@ stop_sglang_server() {
     fi
 }
 
+# default_sglang_mode: without --sglang, SGLang runs colocated when the preset's rollout engine
+# is sglang (none otherwise); without --sglang-port, on the preset's rollout.sglang_port.
+default_sglang_mode() {
+    if [[ -z "$SGLANG_MODE" ]]; then
+        SGLANG_MODE=none
+        if [[ "$CFG_ENGINE" == sglang ]]; then
+            SGLANG_MODE=colocated
+        fi
+    fi
+    SGLANG_PORT="${SGLANG_PORT:-$CFG_SGLANG_PORT}"
+}
+
+# run_trainer SGLANG_HOST SGLANG_LOG DESCRIPTION TRAIN_COMMAND...
+# --dry-run: print the commands (this node's colocated SGLang server, then the trainer) and exit.
+# Otherwise start the colocated server on SGLANG_HOST, logging to SGLANG_LOG, wait until it
+# answers (it is stopped when the script exits), then run the trainer.
+run_trainer() {
+    local host="$1" sglang_log="$2" description="$3"
+    shift 3
+    if [[ "$DRY_RUN" == true ]]; then
+        if [[ "$SGLANG_MODE" == colocated ]]; then
+            build_sglang_command "$host" "$SGLANG_PORT" true
+            print_command "${SGLANG_COMMAND[@]}"
+        fi
+        print_command "$@"
+        exit 0
+    fi
+    if [[ "$SGLANG_MODE" == colocated ]]; then
+        trap stop_sglang_server EXIT
+        trap 'exit 130' INT TERM
+        start_sglang_server "$sglang_log" "$host" "$SGLANG_PORT" true
+        wait_for_sglang "http://$host:$SGLANG_PORT" "$SGLANG_PID" "$sglang_log" "$SGLANG_TIMEOUT"
+    fi
+    log "$description: $(print_command "$@")"
+    "$@"
+}
+
 # The URL list as a Hydra override value: [http://a:30000,http://b:30000].
 hydra_list() {
     local IFS=,

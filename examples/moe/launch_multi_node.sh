@@ -62,13 +62,7 @@ fi
 [[ -n "$MASTER_ADDR" ]] || die "set MASTER_ADDR (or --master-addr) to the address of the rendezvous node, e.g. node 0"
 
 read_config "$PRESET" "$((NNODES * GPUS_PER_NODE))" "${OVERRIDES[@]}"
-if [[ -z "$SGLANG_MODE" ]]; then
-    SGLANG_MODE=none
-    if [[ "$CFG_ENGINE" == sglang ]]; then
-        SGLANG_MODE=colocated
-    fi
-fi
-SGLANG_PORT="${SGLANG_PORT:-$CFG_SGLANG_PORT}"
+default_sglang_mode
 
 colocated_urls=()
 if [[ "$SGLANG_MODE" == colocated ]]; then
@@ -94,23 +88,7 @@ train_command=(
 )
 # CUDA_DEVICE_MAX_CONNECTIONS=1 is for Megatron-Core's communication/compute ordering, trainer only.
 
-if [[ "$DRY_RUN" == true ]]; then
-    if [[ "$SGLANG_MODE" == colocated ]]; then
-        build_sglang_command "$sglang_host" "$SGLANG_PORT" true
-        print_command "${SGLANG_COMMAND[@]}"
-    fi
-    print_command "${train_command[@]}"
-    exit 0
-fi
-
-if [[ "$SGLANG_MODE" == colocated ]]; then
-    trap stop_sglang_server EXIT
-    trap 'exit 130' INT TERM
-    sglang_log="$CFG_OUTPUT_DIR/sglang/node$NODE_RANK.log"
-    start_sglang_server "$sglang_log" "$sglang_host" "$SGLANG_PORT" true
-    # Each node waits for its own server; torchrun's rendezvous then waits for every node, so
-    # all servers answer before the first rollout.
-    wait_for_sglang "http://$sglang_host:$SGLANG_PORT" "$SGLANG_PID" "$sglang_log" "$SGLANG_TIMEOUT"
-fi
-log "node $NODE_RANK/$NNODES: starting the trainer: $(print_command "${train_command[@]}")"
-"${train_command[@]}"
+# Each node waits for its own colocated server; torchrun's rendezvous then waits for every node,
+# so all servers answer before the first rollout.
+run_trainer "${sglang_host:-}" "$CFG_OUTPUT_DIR/sglang/node$NODE_RANK.log" \
+    "node $NODE_RANK/$NNODES: starting the trainer" "${train_command[@]}"

@@ -47,13 +47,7 @@ EOF
 parse_launch_args false usage "$@"
 PRESET="${PRESET:-qwen3_30b_a3b_gspo_1node}"
 read_config "$PRESET" "$GPUS_PER_NODE" "${OVERRIDES[@]}"
-if [[ -z "$SGLANG_MODE" ]]; then
-    SGLANG_MODE=none
-    if [[ "$CFG_ENGINE" == sglang ]]; then
-        SGLANG_MODE=colocated
-    fi
-fi
-SGLANG_PORT="${SGLANG_PORT:-$CFG_SGLANG_PORT}"
+default_sglang_mode
 # On one node nothing else needs to reach the colocated server: it listens on loopback only.
 rollout_overrides_for "$SGLANG_MODE" "http://127.0.0.1:$SGLANG_PORT"
 
@@ -68,21 +62,5 @@ train_command=(
 # tensor/sequence-parallel communication with compute; it is set for the trainer only, since the
 # rollout server gains nothing from that limit.
 
-if [[ "$DRY_RUN" == true ]]; then
-    if [[ "$SGLANG_MODE" == colocated ]]; then
-        build_sglang_command 127.0.0.1 "$SGLANG_PORT" true
-        print_command "${SGLANG_COMMAND[@]}"
-    fi
-    print_command "${train_command[@]}"
-    exit 0
-fi
-
-if [[ "$SGLANG_MODE" == colocated ]]; then
-    trap stop_sglang_server EXIT
-    trap 'exit 130' INT TERM
-    sglang_log="$CFG_OUTPUT_DIR/sglang/node0.log"
-    start_sglang_server "$sglang_log" 127.0.0.1 "$SGLANG_PORT" true
-    wait_for_sglang "http://127.0.0.1:$SGLANG_PORT" "$SGLANG_PID" "$sglang_log" "$SGLANG_TIMEOUT"
-fi
-log "starting the trainer: $(print_command "${train_command[@]}")"
-"${train_command[@]}"
+run_trainer 127.0.0.1 "$CFG_OUTPUT_DIR/sglang/node0.log" "starting the trainer" \
+    "${train_command[@]}"
