@@ -49,6 +49,13 @@ def _check_choice(key: str, value: Any, choices: tuple, why: str) -> None:
         )
 
 
+def _is_loopback(host: str) -> bool:
+    # Imported here: the rollout package is not needed to read a configuration.
+    from megatron_gspo.rollout.auth import is_loopback_host
+
+    return is_loopback_host(host)
+
+
 def _check_positive(key: str, value: float, *, allow_zero: bool = False) -> None:
     if value is None or (value < 0 if allow_zero else value <= 0):
         bound = ">= 0" if allow_zero else "> 0"
@@ -597,6 +604,8 @@ class RolloutConfig:
     sglang_launch: bool = False
     """Launch SGLang servers with ``python -m sglang.launch_server``."""
     sglang_host: str = "127.0.0.1"
+    """Address launched SGLang servers listen on. They require the run's API key, but plain HTTP
+    carries it (and the weights) unencrypted: any other address than loopback warns at start."""
     sglang_port: int = 30000
     sglang_tp: int = 1
     sglang_ep: int = 1
@@ -658,6 +667,15 @@ class RolloutConfig:
                 f"{self.sglang_mem_fraction} is outside (0, 1)",
                 "it is the share of each GPU's memory that SGLang reserves",
                 "set 0 < sglang_mem_fraction < 1 (0.7 on dedicated GPUs, lower when colocated)",
+            )
+        if self.engine == "sglang" and self.sglang_launch and not _is_loopback(self.sglang_host):
+            _warn(
+                "rollout.sglang_host",
+                f"{self.sglang_host!r} is not a loopback address: the SGLang servers this run "
+                "launches are reachable from other machines. They refuse calls without the "
+                "run's API key, but HTTP carries that key and the weights unencrypted; keep "
+                "sglang_host=127.0.0.1 unless other nodes must reach the servers, and then "
+                "only on a private cluster network",
             )
         if self.sglang_release_memory and self.engine != "sglang":
             raise ConfigError(

@@ -9,7 +9,9 @@
 =================  ===========================================================================
 
 The returned engine owns what it started: ``close()`` stops the loopback server or the launched
-SGLang processes.
+SGLang processes. Servers it starts get a fresh per-run API key (the loopback server's key;
+SGLang's ``--api-key``) that the client sends on every call; servers named in
+``rollout.sglang_urls`` get the key in ``MEGATRON_GSPO_SGLANG_API_KEY`` (see ``auth.py``).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import tempfile
 from typing import Optional
 
 from megatron_gspo.config import ConfigError, ModelConfig, RolloutConfig
+from megatron_gspo.rollout.auth import api_key_from_environment, new_api_key
 from megatron_gspo.rollout.types import RolloutEngine
 
 
@@ -60,7 +63,7 @@ def build_rollout_engine(
     if rollout.engine == "embedded_http":
         from megatron_gspo.rollout.server import EmbeddedServer
 
-        server = EmbeddedServer(EmbeddedEngine(model, seed=seed)).start()
+        server = EmbeddedServer(EmbeddedEngine(model, seed=seed), api_key=new_api_key()).start()
         # The loopback server takes weights from disk only (it offers no IPC/NCCL endpoints).
         transport = DiskTransport(os.path.join(work_dir, "weights"), config_json=None)
         return SGLangEngine(
@@ -68,11 +71,13 @@ def build_rollout_engine(
             layout,
             weight_transport=transport,
             on_close=[server.close],
+            api_key=server.api_key,
             **client_options,
         )
 
     urls = list(rollout.sglang_urls)
     on_close = []
+    api_key = api_key_from_environment()
     if not urls:
         if not rollout.sglang_launch:
             raise ConfigError(
@@ -90,11 +95,13 @@ def build_rollout_engine(
             )
         from megatron_gspo.rollout.sglang_launcher import launch_sglang_servers
 
+        api_key = api_key or new_api_key()
         servers = launch_sglang_servers(
             rollout,
             model.hf_path,
             enable_return_routed_experts=enable_routed_experts,
             log_dir=work_dir,
+            api_key=api_key,
         )
         urls = [server.url for server in servers]
         on_close = [server.stop for server in servers]
@@ -107,5 +114,10 @@ def build_rollout_engine(
         master_port=master_port,
     )
     return SGLangEngine(
-        urls, layout, weight_transport=transport, on_close=on_close, **client_options
+        urls,
+        layout,
+        weight_transport=transport,
+        on_close=on_close,
+        api_key=api_key,
+        **client_options,
     )

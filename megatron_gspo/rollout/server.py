@@ -19,7 +19,17 @@ Served (bodies and answers as SGLang 0.5.x, see ``sglang_protocol.py``):
 ``POST /update_weights_from_disk``         ``{"model_path", "weight_version"?}``: safetensors
 =========================================  ==================================================
 
-It binds 127.0.0.1 only: the server has no authentication.
+It binds 127.0.0.1 only, and checks every request as SGLang with ``--api-key`` does, plus two
+checks against requests a browser can be tricked into sending:
+
+- ``Host`` must name the loopback interface (``127.0.0.1``, ``localhost``, ``[::1]``, any port),
+  else 403: a web page that re-points its own domain at 127.0.0.1 (DNS rebinding) sends its
+  domain's name;
+- every endpoint except ``/health`` and ``/health_generate`` needs ``Authorization: Bearer
+  <api_key>``, else 401: the key is the run's secret (:mod:`megatron_gspo.rollout.auth`), so
+  other local processes cannot pause generation or swap the weights;
+- a ``POST``/``PUT`` body must be ``Content-Type: application/json``, else 415: a cross-site
+  form or ``text/plain`` post needs no CORS preflight, a JSON one does (and gets none here).
 """
 
 from __future__ import annotations
@@ -34,6 +44,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Optional
 from urllib.parse import urlparse
 
+from megatron_gspo.rollout.auth import bearer_matches, host_header_is_loopback, new_api_key
 from megatron_gspo.rollout.embedded import EmbeddedEngine
 from megatron_gspo.rollout.sglang_protocol import RouteLayout, result_json
 from megatron_gspo.rollout.types import GenerateRequest, RolloutEngineError
@@ -41,6 +52,9 @@ from megatron_gspo.rollout.types import GenerateRequest, RolloutEngineError
 logger = logging.getLogger(__name__)
 
 LOOPBACK_HOST = "127.0.0.1"
+UNAUTHENTICATED_PATHS = ("/health", "/health_generate")
+"""Liveness probes answer without the key, as in SGLang (they reveal nothing and change
+nothing)."""
 
 _GENERATE_KEYS = {
     "input_ids",
@@ -178,11 +192,13 @@ def parse_generate_body(body: Any) -> tuple[list[GenerateRequest], int, bool, in
 class EmbeddedServer:
     """Serves an :class:`EmbeddedEngine` on ``http://127.0.0.1:<port>`` from a daemon thread.
 
-    ``port=0`` picks a free port; :attr:`url` is the address to give the SGLang client.
+    ``port=0`` picks a free port; :attr:`url` is the address to give the SGLang client, and
+    :attr:`api_key` the secret it must send (``api_key=None`` makes a fresh one).
     """
 
-    def __init__(self, engine: EmbeddedEngine, port: int = 0):
+    def __init__(self, engine: EmbeddedEngine, port: int = 0, *, api_key: Optional[str] = None):
         self.engine = engine
+        self.api_key = api_key or new_api_key()
         self.layout = (
             RouteLayout(
                 num_hidden_layers=engine.num_hidden_layers,
@@ -289,7 +305,13 @@ class _Handler(BaseHTTPRequestHandler):
     def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - stdlib signature
         logger.debug("embedded server %s: " + format, self.address_string(), *args)
 
-    def _reply(self, status: int, payload: Any = None, text: Optional[str] = None) -> None:
+    def _reply(
+        self,
+        status: int,
+        payload: Any = None,
+        text: Optional[str] = None,
+        headers: tuple[tuple[str, str], ...] = (),
+    ) -> None:
         if text is not None:
             data, content_type = text.encode(), "text/plain; charset=utf-8"
         elif payload is not None:
@@ -299,6 +321,8 @@ class _Handler(BaseHTTPRequestHandler):
         self.send_response(status)
         self.send_header("Content-Type", content_type)
         self.send_header("Content-Length", str(len(data)))
+        for name, value in headers:
+            self.send_header(name, value)
         self.end_headers()
         self.wfile.write(data)
 
@@ -321,9 +345,51 @@ class _Handler(BaseHTTPRequestHandler):
     def do_PUT(self) -> None:
         self._dispatch("PUT")
 
+    def _refusal(self, method: str, path: str) -> Optional[tuple[int, str, tuple]]:
+        """``(status, message, headers)`` when the request fails a check of the module
+        docstring, else None."""
+        if not host_header_is_loopback(self.headers.get("Host")):
+            return (
+                HTTPStatus.FORBIDDEN,
+                f"Host {self.headers.get('Host')!r} is not a loopback name; this server answers "
+                f"requests addressed to {LOOPBACK_HOST} or localhost only",
+                (),
+            )
+        if path not in UNAUTHENTICATED_PATHS and not bearer_matches(
+            self.headers.get("Authorization"), self.server_state.api_key
+        ):
+            return (
+                HTTPStatus.UNAUTHORIZED,
+                "missing or wrong API key: send 'Authorization: Bearer <key>' with the key the "
+                "server was started with",
+                (("WWW-Authenticate", "Bearer"),),
+            )
+        content_type = (self.headers.get("Content-Type") or "").split(";")[0].strip().lower()
+        if method in ("POST", "PUT") and content_type != "application/json":
+            return (
+                HTTPStatus.UNSUPPORTED_MEDIA_TYPE,
+                f"Content-Type {content_type or '(none)'!r}: bodies must be application/json",
+                (),
+            )
+        return None
+
     def _dispatch(self, method: str) -> None:
         state = self.server_state
         path = urlparse(self.path).path
+        refusal = self._refusal(method, path)
+        if refusal is not None:
+            status, message, headers = refusal
+            # The body is left unread, so this connection cannot carry another request.
+            self.close_connection = True
+            self._reply(status, {"error": {"message": message}}, headers=headers)
+            logger.warning(
+                "embedded server refused %s %s from %s: %s",
+                method,
+                path,
+                self.address_string(),
+                message,
+            )
+            return
         try:
             body = self._body() if method in ("POST", "PUT") else {}
             if path == "/generate" and method in ("POST", "PUT"):
@@ -376,9 +442,9 @@ class _Handler(BaseHTTPRequestHandler):
 
 
 def main(argv: Optional[list[str]] = None) -> None:
-    """``python -m megatron_gspo.rollout.server --port P [--model-config JSON] [--seed S]``:
-    serve a randomly initialised embedded engine until interrupted (weights arrive through
-    ``/update_weights_from_disk``)."""
+    """``python -m megatron_gspo.rollout.server --api-key KEY --port P [--model-config JSON]
+    [--seed S]``: serve a randomly initialised embedded engine until interrupted (weights arrive
+    through ``/update_weights_from_disk``). ``--api-key`` as SGLang's: clients must send it."""
     import argparse
     import dataclasses
 
@@ -389,6 +455,9 @@ def main(argv: Optional[list[str]] = None) -> None:
     parser.add_argument("--port", type=int, default=0)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
+        "--api-key", required=True, help="the secret clients send as 'Authorization: Bearer KEY'"
+    )
+    parser.add_argument(
         "--model-config",
         default="{}",
         help=f"JSON of ModelConfig fields ({', '.join(f.name for f in dataclasses.fields(ModelConfig))})",
@@ -396,11 +465,14 @@ def main(argv: Optional[list[str]] = None) -> None:
     args = parser.parse_args(argv)
     if args.host != LOOPBACK_HOST:
         parser.error(
-            f"--host {args.host}: the embedded server has no authentication and binds {LOOPBACK_HOST} only"
+            f"--host {args.host}: the embedded server binds {LOOPBACK_HOST} only (its key travels "
+            "unencrypted)"
         )
     logging.basicConfig(level=logging.INFO)
     model_config = from_dict(ModelConfig, json.loads(args.model_config), prefix="model.")
-    server = EmbeddedServer(EmbeddedEngine(model_config, seed=args.seed), port=args.port)
+    server = EmbeddedServer(
+        EmbeddedEngine(model_config, seed=args.seed), port=args.port, api_key=args.api_key
+    )
     logger.info("embedded rollout server on %s", server.url)
     with contextlib.suppress(KeyboardInterrupt):
         server.serve_forever()

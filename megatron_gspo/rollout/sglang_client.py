@@ -10,6 +10,8 @@ transports (``sglang_weights.py``), lazily. The embedded engine's loopback serve
   and a seeded request the client sends the ``n`` samples as separate prompts with
   ``derive_seed`` seeds, because SGLang would give all ``n`` copies the same ``sampling_seed``.
 * Control calls (abort, pause, continue, flush) go to every server directly.
+* Every call carries ``Authorization: Bearer <api_key>`` when the engine has a key (SGLang's
+  ``--api-key``; the embedded server's per-run key), see ``auth.py``.
 * Weight updates run inside ``/begin_weight_update`` ... ``/end_weight_update`` on servers that
   have them (probed once: 404 means absent; SGLang 0.5.23 refuses tensor and distributed updates
   outside the bracket).
@@ -75,6 +77,7 @@ class SGLangEngine(RolloutEngine):
         resume_empties_torch_cache: ``torch_empty_cache`` of ``/continue_generation`` (emptying
             the CUDA cache every step cost minutes per sync on large models, slime#67).
         on_close: callables run by :meth:`close` (stopping servers this client owns).
+        api_key: the servers' ``--api-key``, sent as a bearer token on every call (None: none).
     """
 
     def __init__(
@@ -94,6 +97,7 @@ class SGLangEngine(RolloutEngine):
         resume_empties_torch_cache: bool = False,
         initial_weight_version: int = 0,
         on_close: Sequence[Any] = (),
+        api_key: Optional[str] = None,
     ):
         if not urls:
             raise ValueError("SGLangEngine needs at least one server URL")
@@ -117,6 +121,7 @@ class SGLangEngine(RolloutEngine):
         self._executor: Optional[ThreadPoolExecutor] = None
         self._local = threading.local()
         self._on_close = list(on_close)
+        self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
     @classmethod
     def from_config(
@@ -126,6 +131,7 @@ class SGLangEngine(RolloutEngine):
         urls: Optional[Sequence[str]] = None,
         *,
         weight_transport: Any = None,
+        api_key: Optional[str] = None,
     ) -> SGLangEngine:
         """Client for ``rollout.sglang_urls`` (or ``urls``) with the layout of ``model``.
 
@@ -145,6 +151,7 @@ class SGLangEngine(RolloutEngine):
             request_timeout_s=rollout.request_timeout_s,
             max_retries=rollout.max_retries,
             max_concurrency=rollout.max_concurrency,
+            api_key=api_key,
         )
 
     @property
@@ -162,6 +169,7 @@ class SGLangEngine(RolloutEngine):
         session = getattr(self._local, "session", None)
         if session is None:
             session = self._local.session = requests.Session()
+            session.headers.update(self._headers)
         return session
 
     def request(

@@ -6,8 +6,10 @@ healthy, raises with the tail of its log. Actually launching needs a GPU and sgl
 
 Flags (SGLang 0.5.23 ServerArgs): ``--model-path``, ``--host``, ``--port``, ``--tp-size``,
 ``--ep-size``, ``--mem-fraction-static``, ``--skip-tokenizer-init`` (the trainer sends token ids),
-``--weight-version 0`` (versions are integers from the start), ``--base-gpu-id``, and
-``--enable-return-routed-experts`` for R3. Other ServerArgs pass through ``extra_args``.
+``--weight-version 0`` (versions are integers from the start), ``--base-gpu-id``,
+``--enable-return-routed-experts`` for R3, and ``--api-key`` (the run's secret: SGLang then
+refuses every call but ``/health*`` without ``Authorization: Bearer <key>``). Other ServerArgs
+pass through ``extra_args``. Commands are logged with the key replaced by ``***``.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ MANAGED_FLAGS = (
     "--enable-return-routed-experts",
     "--weight-version",
     "--base-gpu-id",
+    "--api-key",
 )
 
 
@@ -57,6 +60,7 @@ def build_launch_command(
     base_gpu_id: Optional[int] = None,
     extra_args: Sequence[str] = (),
     python_executable: str = sys.executable,
+    api_key: Optional[str] = None,
 ) -> list[str]:
     """The argv that starts one SGLang server.
 
@@ -102,7 +106,25 @@ def build_launch_command(
         command.append("--enable-return-routed-experts")
     if base_gpu_id is not None:
         command += ["--base-gpu-id", str(base_gpu_id)]
+    if api_key:
+        command += ["--api-key", api_key]
     return command + list(extra_args)
+
+
+def redacted(command: Sequence[str]) -> str:
+    """``command`` as one line for logs, with the value of ``--api-key`` replaced by ``***``."""
+    text = " ".join(command)
+    key = _api_key_of(command)
+    return text.replace(key, "***") if key else text
+
+
+def _api_key_of(command: Sequence[str]) -> Optional[str]:
+    for index, word in enumerate(command):
+        if word == "--api-key" and index + 1 < len(command):
+            return command[index + 1]
+        if word.startswith("--api-key="):
+            return word.partition("=")[2]
+    return None
 
 
 def launch_command_from_config(
@@ -111,6 +133,7 @@ def launch_command_from_config(
     *,
     enable_return_routed_experts: bool,
     server_index: int = 0,
+    api_key: Optional[str] = None,
 ) -> list[str]:
     """The command of server ``server_index`` from a :class:`RolloutConfig`: port
     ``sglang_port + server_index``, GPUs from ``server_index * sglang_tp``."""
@@ -124,6 +147,7 @@ def launch_command_from_config(
         enable_return_routed_experts=enable_return_routed_experts,
         base_gpu_id=server_index * rollout.sglang_tp,
         extra_args=rollout.sglang_extra_args,
+        api_key=api_key,
     )
 
 
@@ -153,8 +177,10 @@ class SGLangServerProcess:
 
     def start(self) -> SGLangServerProcess:
         os.makedirs(os.path.dirname(os.path.abspath(self.log_path)), exist_ok=True)
-        log_file = open(self.log_path, "ab")  # noqa: SIM115 - owned by the child for its lifetime
-        logger.info("starting SGLang: %s (log %s)", " ".join(self.command), self.log_path)
+        # SGLang logs its arguments, the API key among them: the log is for this user only.
+        descriptor = os.open(self.log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        log_file = os.fdopen(descriptor, "ab")
+        logger.info("starting SGLang: %s (log %s)", redacted(self.command), self.log_path)
         self.process = subprocess.Popen(
             self.command, stdout=log_file, stderr=subprocess.STDOUT, env=self.env
         )
@@ -164,9 +190,12 @@ class SGLangServerProcess:
     def log_tail(self, num_lines: int = 40) -> str:
         try:
             with open(self.log_path, encoding="utf-8", errors="replace") as log_file:
-                return "".join(log_file.readlines()[-num_lines:])
+                tail = "".join(log_file.readlines()[-num_lines:])
         except OSError as error:
             return f"<log {self.log_path} unreadable: {error}>"
+        # SGLang prints its arguments: the tail goes into exceptions, the key must not.
+        key = _api_key_of(self.command)
+        return tail.replace(key, "***") if key else tail
 
     def wait_until_healthy(self, deadline_s: float = 900.0, poll_s: float = 2.0) -> None:
         """Poll ``/health_generate`` until it answers 200; raise with the log tail if the
@@ -215,9 +244,11 @@ def launch_sglang_servers(
     enable_return_routed_experts: bool = False,
     log_dir: str = ".",
     deadline_s: float = 900.0,
+    api_key: Optional[str] = None,
 ) -> list[SGLangServerProcess]:
     """Start ``num_servers`` servers from a :class:`RolloutConfig` and wait until all are
-    healthy; if one fails, every started server is stopped before the error propagates."""
+    healthy; if one fails, every started server is stopped before the error propagates.
+    ``api_key``: the servers' ``--api-key`` (the client must send the same)."""
     servers = [
         SGLangServerProcess(
             launch_command_from_config(
@@ -225,6 +256,7 @@ def launch_sglang_servers(
                 model_path,
                 enable_return_routed_experts=enable_return_routed_experts,
                 server_index=index,
+                api_key=api_key,
             ),
             os.path.join(log_dir, f"sglang_server_{index}.log"),
         )

@@ -25,16 +25,20 @@ from megatron_gspo.rollout.sglang_protocol import RouteLayout
 from megatron_gspo.rollout.sglang_weights import DiskTransport
 from megatron_gspo.rollout.types import GenerateRequest, RolloutEngineError, sync_weights_paused
 
+# The run's secret in these tests; the servers are started with it and the clients send it.
+API_KEY = "test-run-key"
+
 
 @pytest.fixture
 def served(model_config):
     engine = EmbeddedEngine(model_config, seed=1)
-    with EmbeddedServer(engine) as server:
+    with EmbeddedServer(engine, api_key=API_KEY) as server:
         yield engine, server
 
 
 def _client(model_config, urls, **options) -> SGLangEngine:
     options.setdefault("retry_backoff_s", 0.01)
+    options.setdefault("api_key", API_KEY)
     return SGLangEngine(urls, RouteLayout.from_model_config(model_config), **options)
 
 
@@ -196,7 +200,7 @@ def test_pause_aborts_and_continue_resumes(served, model_config):
 
 def test_least_in_flight_balancing_uses_every_server(model_config):
     engines = [EmbeddedEngine(model_config, seed=seed) for seed in (1, 2)]
-    servers = [EmbeddedServer(engine).start() for engine in engines]
+    servers = [EmbeddedServer(engine, api_key=API_KEY).start() for engine in engines]
     try:
         client = _client(model_config, [s.url for s in servers], max_requests_per_call=1)
         requests_ = _requests(8, max_new_tokens=20)
@@ -232,14 +236,17 @@ def test_bad_request_is_reported_with_the_server_message(served, model_config):
     client = _client(model_config, [server.url])
     with pytest.raises(RolloutEngineError, match="HTTP 400.*outside the vocabulary"):
         client.generate([GenerateRequest(input_ids=[1, 900], max_new_tokens=2)])
-    answer = requests.post(server.url + "/generate", json={"text": "hello"}, timeout=10)
-    assert answer.status_code == 400 and "no tokenizer" in answer.json()["error"]["message"]
-    info = requests.get(server.url + "/server_info", timeout=10).json()
-    assert info["engine"] == "embedded"
-    assert (
-        requests.post(server.url + "/update_weights_from_tensor", json={}, timeout=10).status_code
-        == 404
+    key = {"Authorization": f"Bearer {API_KEY}"}
+    answer = requests.post(
+        server.url + "/generate", json={"text": "hello"}, headers=key, timeout=10
     )
+    assert answer.status_code == 400 and "no tokenizer" in answer.json()["error"]["message"]
+    info = requests.get(server.url + "/server_info", headers=key, timeout=10).json()
+    assert info["engine"] == "embedded"
+    update = requests.post(
+        server.url + "/update_weights_from_tensor", json={}, headers=key, timeout=10
+    )
+    assert update.status_code == 404
 
 
 class _RecordingHandler(BaseHTTPRequestHandler):

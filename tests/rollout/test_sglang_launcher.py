@@ -87,12 +87,22 @@ def _free_port() -> int:
         return probe.getsockname()[1]
 
 
-def test_server_that_dies_reports_its_log_tail(tmp_path):
-    command = [sys.executable, "-c", "import sys; print('CUDA out of memory'); sys.exit(3)"]
-    command += ["--host", "127.0.0.1", "--port", str(_free_port())]
-    server = SGLangServerProcess(command, str(tmp_path / "server.log")).start()
-    with pytest.raises(RolloutEngineError, match="exited with code 3(.|\n)*CUDA out of memory"):
+def test_server_that_dies_reports_its_log_tail(tmp_path, caplog):
+    # As SGLang does, the child prints its arguments (the key among them) to its log.
+    script = "import sys; print('args', sys.argv); print('CUDA out of memory'); sys.exit(3)"
+    command = [sys.executable, "-c", script, "--host", "127.0.0.1", "--port", str(_free_port())]
+    command += ["--api-key", "s3cret-value"]
+    server = SGLangServerProcess(command, str(tmp_path / "server.log"))
+    with caplog.at_level("INFO", logger="megatron_gspo.rollout.sglang_launcher"):
+        server.start()
+    with pytest.raises(
+        RolloutEngineError, match="exited with code 3(.|\n)*CUDA out of memory"
+    ) as error:
         server.wait_until_healthy(deadline_s=30, poll_s=0.1)
+    assert "s3cret-value" in (tmp_path / "server.log").read_text()
+    assert "s3cret-value" not in str(error.value) and "***" in str(error.value)
+    assert "s3cret-value" not in caplog.text and "--api-key ***" in caplog.text
+    assert (tmp_path / "server.log").stat().st_mode & 0o077 == 0  # the log is for this user only
 
 
 def test_child_server_becomes_healthy_and_serves(tmp_path):
@@ -101,10 +111,16 @@ def test_child_server_becomes_healthy_and_serves(tmp_path):
     port = _free_port()
     command = [sys.executable, "-m", "megatron_gspo.rollout.server", "--host", "127.0.0.1"]
     command += ["--port", str(port), "--model-config", json.dumps(fields)]
+    command += ["--api-key", "child-key"]  # as SGLang's flag: the health probe needs no key
     server = SGLangServerProcess(command, str(tmp_path / "server.log")).start()
     try:
         server.wait_until_healthy(deadline_s=120, poll_s=0.2)
-        client = SGLangEngine([server.url], RouteLayout.from_model_config(config))
+        keyless = SGLangEngine([server.url], RouteLayout.from_model_config(config), max_retries=0)
+        with pytest.raises(RolloutEngineError, match="HTTP 401"):
+            keyless.generate([GenerateRequest(input_ids=[1, 2], max_new_tokens=1)])
+        client = SGLangEngine(
+            [server.url], RouteLayout.from_model_config(config), api_key="child-key"
+        )
         (result,) = client.generate(
             [GenerateRequest(input_ids=[1, 2], max_new_tokens=3, return_routed_experts=True)]
         )
