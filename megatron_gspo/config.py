@@ -16,7 +16,10 @@ import logging
 import typing
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
+
+if TYPE_CHECKING:
+    from megatron_gspo.algo import AdvantageSettings, PolicyLossSettings
 
 logger = logging.getLogger(__name__)
 
@@ -525,6 +528,44 @@ class AlgoConfig:
     @property
     def needs_reference_model(self) -> bool:
         return self.use_kl_loss or self.add_token_level_kl
+
+    # The translation from these keys to the algorithm core's settings, written once.
+
+    def policy_loss_settings(self) -> PolicyLossSettings:
+        """The settings of :func:`megatron_gspo.algo.policy_loss` for this configuration."""
+        from megatron_gspo.algo import PolicyLossSettings
+
+        return PolicyLossSettings(
+            importance_sampling=self.importance_sampling,
+            clip_low=self.clip_low,
+            clip_high=self.clip_high,
+            loss_agg_mode=self.loss_agg_mode,
+            dual_clip_constant=self.dual_clip_constant if self.dual_clip_loss else None,
+            kl_coef=self.kl_loss_coef if self.use_kl_loss else 0.0,
+            kl_estimator=self.kl_estimator,
+            entropy_coef=self.entropy_coef,
+            norm_length=self.response_length,
+            log_ratio_clamp=self.log_ratio_clamp,
+        )
+
+    def advantage_settings(self) -> AdvantageSettings:
+        """The settings of :func:`megatron_gspo.algo.compute_advantages` for this configuration."""
+        from megatron_gspo.algo import AdvantageSettings
+
+        return AdvantageSettings(
+            estimator=self.adv_estimator,
+            reward_norm=self.reward_norm,
+            reward_shift=self.reward_shift,
+            reward_scale=self.reward_scale,
+            reward_clip=self.reward_clip,
+            std_unbiased=self.std_unbiased,
+            std_eps=self.std_eps,
+            reinforce_baseline=self.reinforce_baseline,
+            token_level_kl_coef=self.token_level_kl_coef if self.add_token_level_kl else None,
+            token_level_kl_estimator=self.token_level_kl_estimator,
+            whiten=self.whiten_advantages,
+            advantage_clip=self.advantage_clip,
+        )
 
 
 # --------------------------------------------------------------------------------------------

@@ -91,6 +91,7 @@ def run(cfg: TrainConfig) -> list[dict]:
     rewards = RewardRunner(cfg.reward) if driver else None
     rollout = build_rollout(cfg) if driver else None
 
+    advantage_settings = cfg.algo.advantage_settings()
     state = RunState()
     resumed = resume_checkpoint(engine, cfg) if cfg.resume else None
     if resumed is not None:
@@ -122,7 +123,7 @@ def run(cfg: TrainConfig) -> list[dict]:
         with _timed(timings, "old_log_probs"):
             set_old_log_probs(engine, samples, cfg.algo)
         with _timed(timings, "advantages"):
-            advantage_stats = assign_advantages(samples, cfg.algo, state.reward_moments)
+            advantage_stats = assign_advantages(samples, advantage_settings, state.reward_moments)
         with _timed(timings, "update"):
             update_stats = update_policy(engine, samples, cfg.algo, seed=cfg.seed, step=step)
         with _timed(timings, "weight_sync"):

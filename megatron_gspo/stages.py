@@ -16,13 +16,7 @@ from typing import Any, Optional
 
 import torch
 
-from megatron_gspo.algo import (
-    RunningMoments,
-    add_token_level_kl,
-    compute_advantages,
-    finish_advantages,
-    kl_estimate,
-)
+from megatron_gspo.algo import AdvantageSettings, RunningMoments, compute_advantages, kl_estimate
 from megatron_gspo.config import AlgoConfig, ConfigError, TrainConfig
 from megatron_gspo.samples import TrainSample
 
@@ -65,35 +59,19 @@ def set_old_log_probs(engine, samples: list[TrainSample], algo: AlgoConfig) -> N
 
 
 def assign_advantages(
-    samples: list[TrainSample], algo: AlgoConfig, moments: RunningMoments
+    samples: list[TrainSample], settings: AdvantageSettings, moments: RunningMoments
 ) -> dict[str, float]:
     """Compute advantages from rewards (same on every rank: every rank holds every sample)."""
     rewards = torch.tensor([s.reward for s in samples], dtype=torch.float64)
     group_ids = torch.tensor([s.group_id for s in samples])
     lengths = torch.tensor([int(s.response_mask().sum()) for s in samples], dtype=torch.float64)
+    kl_inputs = _padded_log_probs(samples) if settings.per_token else {}
     advantages, metrics = compute_advantages(
-        rewards,
-        group_ids,
-        estimator=algo.adv_estimator,
-        response_lengths=lengths,
-        reward_norm=algo.reward_norm,
-        reward_shift=algo.reward_shift,
-        reward_scale=algo.reward_scale,
-        reward_clip=algo.reward_clip,
-        running=moments,
-        std_unbiased=algo.std_unbiased,
-        std_eps=algo.std_eps,
-        reinforce_baseline=algo.reinforce_baseline,
-        # With KL-in-reward, whitening and clipping apply to the per-token advantages below.
-        whiten_advantages=algo.whiten_advantages and not algo.add_token_level_kl,
-        advantage_clip=None if algo.add_token_level_kl else algo.advantage_clip,
-        return_metrics=True,
+        rewards, group_ids, settings, response_lengths=lengths, running=moments, **kl_inputs
     )
-    if algo.add_token_level_kl:
-        advantages, kl_metrics = _token_level_kl_advantages(samples, advantages, algo)
-        metrics.update(kl_metrics)
+    if settings.per_token:
         for sample, token_advantages in zip(samples, advantages):
-            sample.advantages = token_advantages
+            sample.advantages = token_advantages[: sample.response_length].clone()
     else:
         for sample, advantage in zip(samples, advantages):
             sample.advantages = advantage.reshape(())
@@ -102,34 +80,18 @@ def assign_advantages(
     return {name: float(value) for name, value in metrics.items()}
 
 
-def _token_level_kl_advantages(samples, advantages, algo):
+def _padded_log_probs(samples: list[TrainSample]) -> dict[str, torch.Tensor]:
+    """Old and reference log-probs and the response mask, ``[B, T]`` padded (KL-in-reward)."""
     width = max(s.response_length for s in samples)
-    padded = torch.zeros(len(samples), width, dtype=torch.float64)
-    old = padded.clone()
-    ref = padded.clone()
+    old = torch.zeros(len(samples), width, dtype=torch.float64)
+    ref = old.clone()
     mask = torch.zeros(len(samples), width, dtype=torch.bool)
     for row, sample in enumerate(samples):
         length = sample.response_length
         old[row, :length] = sample.old_log_probs.double()
         ref[row, :length] = sample.ref_log_probs.double()
         mask[row, :length] = sample.response_mask()
-    token_advantages, kl = add_token_level_kl(
-        advantages,
-        old,
-        ref,
-        mask,
-        coef=algo.token_level_kl_coef,
-        estimator=algo.token_level_kl_estimator,
-    )
-    token_advantages, metrics = finish_advantages(
-        token_advantages,
-        mask,
-        whiten_advantages=algo.whiten_advantages,
-        advantage_clip=algo.advantage_clip,
-    )
-    metrics["token_level_kl"] = (kl * mask).sum() / mask.sum().clamp(min=1)
-    rows = [token_advantages[row, : s.response_length].float() for row, s in enumerate(samples)]
-    return rows, metrics
+    return {"old_log_probs": old, "ref_log_probs": ref, "response_mask": mask}
 
 
 # ----------------------------------------------------------------------------------------------

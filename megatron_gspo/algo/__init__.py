@@ -2,12 +2,17 @@
 
 Public API::
 
-    from megatron_gspo.algo import policy_loss, compute_advantages
+    from megatron_gspo.algo import (
+        AdvantageSettings, PolicyLossSettings, compute_advantages, policy_loss,
+    )
 
-Both take tensors (and, where a reduction crosses ranks, process groups), never a config object.
+Both take tensors (and, where a reduction crosses ranks, process groups) and one frozen settings
+object built once per run (``AlgoConfig.policy_loss_settings()``, ``.advantage_settings()``),
+never a config object.
 """
 
 from megatron_gspo.algo.advantages import (
+    AdvantageSettings,
     RunningMoments,
     add_token_level_kl,
     compute_advantages,
@@ -17,11 +22,22 @@ from megatron_gspo.algo.advantages import (
     normalize_rewards,
     whiten,
 )
-from megatron_gspo.algo.kl import kl_estimate
-from megatron_gspo.algo.losses import RATIO_FUNCTIONS, aggregate, policy_loss, sequence_log_ratio
+from megatron_gspo.algo.kl import KL_ESTIMATORS, kl_estimate
+from megatron_gspo.algo.losses import (
+    LOSS_AGG_MODES,
+    RATIO_FUNCTIONS,
+    PolicyLossSettings,
+    aggregate,
+    policy_loss,
+    sequence_log_ratio,
+)
 
 __all__ = [
+    "KL_ESTIMATORS",
+    "LOSS_AGG_MODES",
     "RATIO_FUNCTIONS",
+    "AdvantageSettings",
+    "PolicyLossSettings",
     "RunningMoments",
     "add_token_level_kl",
     "aggregate",

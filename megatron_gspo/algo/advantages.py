@@ -28,7 +28,7 @@ from typing import Optional
 
 import torch
 
-from megatron_gspo.algo.kl import kl_estimate
+from megatron_gspo.algo.kl import KL_ESTIMATORS, kl_estimate
 
 WHITEN_EPS = 1e-8  # ROLL's masked_whiten (rsqrt(var + 1e-8))
 
@@ -227,65 +227,143 @@ def whiten(advantages: torch.Tensor, token_counts: torch.Tensor) -> torch.Tensor
     return whitened * (weights > 0) if values.dim() == 2 else whitened
 
 
+REWARD_NORM_SCOPES = ("batch", "group", "running")
+ESTIMATORS = ("grpo", "dr_grpo", "reinforce", "rloo")
+REINFORCE_BASELINES = ("none", "group", "batch")
+
+
+@dataclass(frozen=True)
+class AdvantageSettings:
+    """What :func:`compute_advantages` computes, fixed for a run (built once, e.g. by
+    ``AlgoConfig.advantage_settings()``). Field ``n`` below is step ``n`` of the module docstring.
+
+    ``estimator`` has no default; the other fields default to "off" or to the value their
+    docstring names. A new option is a new field with an "off" default.
+    """
+
+    estimator: str
+    """Step 3: ``grpo`` ``(r - mean_g) / (std_g + eps)``; ``dr_grpo`` ``r - mean_g`` (Liu et al.
+    2025); ``reinforce`` ``r - b``; ``rloo`` ``r - mean_{g, j != i}``."""
+    reward_norm: Optional[str] = None
+    """Step 1: statistics of the reward normalisation: ``batch``, ``group``, ``running`` or None
+    (rewards unchanged)."""
+    reward_shift: bool = False
+    """Step 1: only subtract the mean (``r - mean``)."""
+    reward_scale: bool = False
+    """Step 1: only divide by the spread (``r / (std + eps)``)."""
+    reward_clip: Optional[float] = None
+    """Step 2: clamp the normalised reward to ``+-reward_clip``; None: off."""
+    std_unbiased: bool = True
+    """Bessel-corrected group/batch std (torch.std, ROLL, verl, TRL) or the population std."""
+    std_eps: float = 1e-6
+    """Added to the std before dividing (ROLL, verl, slime)."""
+    reinforce_baseline: str = "none"
+    """Baseline ``b`` of ``reinforce``: ``none`` (0), ``group`` (mean_g) or ``batch``."""
+    token_level_kl_coef: Optional[float] = None
+    """Step 4, KL-in-reward (ROLL ``add_token_level_kl``): ``A_it = A_i - coef * sum_{t' >= t}
+    KL(old || ref)_it'``; advantages become per token. None: off."""
+    token_level_kl_estimator: str = "k1"
+    """Estimator of the KL-in-reward term (:func:`megatron_gspo.algo.kl.kl_estimate`)."""
+    whiten: bool = False
+    """Step 5: token-weighted whitening ``(A - mu) / sqrt(var + 1e-8)`` over the batch."""
+    advantage_clip: Optional[float] = None
+    """Step 6: clamp the advantages to ``+-advantage_clip``; None: off."""
+
+    def __post_init__(self) -> None:
+        for name, value, known in (
+            ("estimator", self.estimator, ESTIMATORS),
+            ("reward_norm", self.reward_norm, (None, *REWARD_NORM_SCOPES)),
+            ("reinforce_baseline", self.reinforce_baseline, REINFORCE_BASELINES),
+            ("token_level_kl_estimator", self.token_level_kl_estimator, KL_ESTIMATORS),
+        ):
+            if value not in known:
+                raise ValueError(f"unknown {name} {value!r}; known: {', '.join(map(str, known))}")
+
+    @property
+    def per_token(self) -> bool:
+        """Whether the advantages are per token ``[B, T]`` (KL-in-reward) or per sequence."""
+        return self.token_level_kl_coef is not None
+
+
 def compute_advantages(
     rewards: torch.Tensor,
     group_ids: torch.Tensor,
+    settings: AdvantageSettings,
     *,
-    estimator: str,
     response_lengths: Optional[torch.Tensor] = None,
-    reward_norm: Optional[str] = None,
-    reward_shift: bool = False,
-    reward_scale: bool = False,
-    reward_clip: Optional[float] = None,
     running: Optional[RunningMoments] = None,
-    std_unbiased: bool = True,
-    std_eps: float = 1e-6,
-    reinforce_baseline: str = "none",
-    whiten_advantages: bool = False,
-    advantage_clip: Optional[float] = None,
-    return_metrics: bool = False,
-):
-    """Sequence advantages ``[B]`` (float32) from rewards ``[B]`` and prompt ids ``group_ids [B]``.
+    old_log_probs: Optional[torch.Tensor] = None,
+    ref_log_probs: Optional[torch.Tensor] = None,
+    response_mask: Optional[torch.Tensor] = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Advantages (float32) from rewards ``[B]`` and prompt ids ``group_ids [B]``: steps 1-6 of
+    the module docstring.
 
-    Runs steps 1-3, 5 and 6 of the module docstring (token-level KL, step 4, needs log-probs; the
-    loop applies it with :func:`add_token_level_kl` then :func:`finish_advantages`).
-    ``response_lengths [B]`` weights whitening by tokens (required when ``whiten_advantages``).
-    With ``return_metrics`` returns ``(advantages, metrics)`` where metrics hold
-    ``reward_clip_frac`` and ``advantage_clip_frac``.
+    Args:
+        rewards, group_ids: ``[B]`` one reward and one prompt id per sample.
+        settings: the estimator's configuration (:class:`AdvantageSettings`).
+        response_lengths: ``[B]`` tokens per response; weights whitening by tokens (required
+            with ``settings.whiten`` and per-sequence advantages).
+        running: the running reward moments of ``reward_norm=running`` (updated in place).
+        old_log_probs, ref_log_probs, response_mask: ``[B, T]`` (padded) inputs of KL-in-reward,
+            required when ``settings.token_level_kl_coef`` is set.
+
+    Returns:
+        ``(advantages, metrics)``: ``[B]`` (or ``[B, T]`` with KL-in-reward, 0 at masked
+        positions) and float64 0-d metrics ``reward_clip_frac``, ``advantage_clip_frac``,
+        ``token_level_kl`` (each only when its step is on).
     """
     processed = normalize_rewards(
         rewards,
         group_ids,
-        scope=reward_norm,
-        shift_only=reward_shift,
-        scale_only=reward_scale,
-        unbiased=std_unbiased,
-        eps=std_eps,
+        scope=settings.reward_norm,
+        shift_only=settings.reward_shift,
+        scale_only=settings.reward_scale,
+        unbiased=settings.std_unbiased,
+        eps=settings.std_eps,
         running=running,
     )
     metrics = {}
-    if reward_clip is not None:
-        metrics["reward_clip_frac"] = (processed.abs() > reward_clip).double().mean()
-        processed = processed.clamp(-reward_clip, reward_clip)
+    if settings.reward_clip is not None:
+        metrics["reward_clip_frac"] = (processed.abs() > settings.reward_clip).double().mean()
+        processed = processed.clamp(-settings.reward_clip, settings.reward_clip)
     advantages = estimate_advantages(
         processed,
         group_ids,
-        estimator=estimator,
-        unbiased=std_unbiased,
-        eps=std_eps,
-        reinforce_baseline=reinforce_baseline,
+        estimator=settings.estimator,
+        unbiased=settings.std_unbiased,
+        eps=settings.std_eps,
+        reinforce_baseline=settings.reinforce_baseline,
     )
-    if whiten_advantages and response_lengths is None:
+    token_weights = response_lengths
+    if settings.per_token:
+        if old_log_probs is None or ref_log_probs is None or response_mask is None:
+            raise ValueError(
+                "token_level_kl_coef (KL-in-reward) needs old_log_probs, ref_log_probs and "
+                "response_mask"
+            )
+        # With KL-in-reward, whitening and clipping apply to the per-token advantages. The
+        # sequence advantages enter in float32, the precision the loss receives them in.
+        advantages, kl = add_token_level_kl(
+            advantages.float(),
+            old_log_probs,
+            ref_log_probs,
+            response_mask,
+            coef=settings.token_level_kl_coef,
+            estimator=settings.token_level_kl_estimator,
+        )
+        token_weights = response_mask.bool()
+        metrics["token_level_kl"] = (kl * token_weights).sum() / token_weights.sum().clamp(min=1)
+    elif settings.whiten and response_lengths is None:
         raise ValueError("whiten_advantages needs response_lengths to weight sequences by tokens")
     advantages, clip_metrics = finish_advantages(
         advantages,
-        response_lengths,
-        whiten_advantages=whiten_advantages,
-        advantage_clip=advantage_clip,
+        token_weights,
+        whiten_advantages=settings.whiten,
+        advantage_clip=settings.advantage_clip,
     )
     metrics.update(clip_metrics)
-    advantages = advantages.float()
-    return (advantages, metrics) if return_metrics else advantages
+    return advantages.float(), metrics
 
 
 def finish_advantages(

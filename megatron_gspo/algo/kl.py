@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 
 KL_LOG_RATIO_CLAMP = 20.0
+KL_ESTIMATORS = ("k1", "k2", "k3")
 
 
 def kl_estimate(
@@ -29,4 +30,4 @@ def kl_estimate(
         return 0.5 * log_ratio.square()
     if estimator == "k3":
         return torch.exp(log_ratio) - log_ratio - 1.0
-    raise ValueError(f"unknown KL estimator {estimator!r}; known: k1, k2, k3")
+    raise ValueError(f"unknown KL estimator {estimator!r}; known: {', '.join(KL_ESTIMATORS)}")

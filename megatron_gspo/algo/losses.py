@@ -5,7 +5,8 @@ Shapes: ``B`` sequences, ``T`` (padded) response tokens. ``log_probs``, ``old_lo
 ``[B]`` (one per sequence) or ``[B, T]`` (per token). ``m`` is the mask, ``n_i = sum_t m_it`` the
 response length of sequence i.
 
-Importance ratios, selected by ``importance_sampling`` (the one switch between the algorithms):
+Importance ratios, selected by ``PolicyLossSettings.importance_sampling`` (the one switch between
+the algorithms):
 
 * ``seq`` (GSPO, arXiv 2507.18071 eq. 5-7):
   ``s_i = exp(clamp((1/n_i) sum_t m_it (lp_it - lp_old_it)))``, one ratio per sequence; its gradient
@@ -44,12 +45,13 @@ metrics divided by ``N_tok``, sequence metrics by ``N_seq`` with each sequence's
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Optional, Union
 
 import torch
 import torch.distributed as dist
 
-from megatron_gspo.algo.kl import kl_estimate
+from megatron_gspo.algo.kl import KL_ESTIMATORS, kl_estimate
 
 Number = Union[float, int, torch.Tensor]
 
@@ -107,6 +109,14 @@ RATIO_FUNCTIONS: dict[str, Callable] = {
 }
 
 
+LOSS_AGG_MODES = (
+    "token-mean",
+    "seq-mean-token-sum",
+    "seq-mean-token-mean",
+    "seq-mean-token-sum-norm",
+)
+
+
 def aggregate(
     values: torch.Tensor,
     mask: torch.Tensor,
@@ -127,10 +137,57 @@ def aggregate(
         return (masked.sum(dim=-1) / lengths.clamp(min=1)).sum() / num_sequences
     if mode == "seq-mean-token-sum-norm":
         return masked.sum() / (num_sequences * norm_length)
-    raise ValueError(
-        f"unknown loss_agg_mode {mode!r}; known: token-mean, seq-mean-token-sum, "
-        "seq-mean-token-mean, seq-mean-token-sum-norm"
-    )
+    raise ValueError(f"unknown loss_agg_mode {mode!r}; known: {', '.join(LOSS_AGG_MODES)}")
+
+
+@dataclass(frozen=True)
+class PolicyLossSettings:
+    """What :func:`policy_loss` computes, fixed for a run (built once, e.g. by
+    ``AlgoConfig.policy_loss_settings()``). Tensors and process groups stay arguments.
+
+    Fields without a default choose the algorithm; the others default to "off" (no dual clip, no
+    KL term, no entropy bonus) or to the value the formulas below name. A new loss option is a new
+    field with an "off" default, so that existing settings keep their numbers.
+    """
+
+    importance_sampling: str
+    """Ratio function: ``seq`` (GSPO ``s_i``, arXiv 2507.18071 eq. 5-7), ``seq_token``
+    (GSPO-token, eq. 13-14) or ``token`` (GRPO/PPO ``r_it``); see the module docstring."""
+    clip_low: float
+    """``eps_low``: the ratio is clipped from below at ``1 - clip_low``."""
+    clip_high: float
+    """``eps_high``: the ratio is clipped from above at ``1 + clip_high``."""
+    loss_agg_mode: str
+    """How per-token losses become one number (module docstring): ``token-mean``,
+    ``seq-mean-token-sum``, ``seq-mean-token-mean`` or ``seq-mean-token-sum-norm``."""
+    dual_clip_constant: Optional[float] = None
+    """``c`` of dual clip (Ye et al. 2020): where ``A < 0``, ``pg = min(pg, -c A)``; None: off."""
+    kl_coef: float = 0.0
+    """Weight of ``KL(policy || reference)`` per token (needs ``ref_log_probs``)."""
+    kl_estimator: str = "k3"
+    """Schulman's k1, k2 or k3 (:func:`megatron_gspo.algo.kl.kl_estimate`)."""
+    entropy_coef: float = 0.0
+    """Entropy bonus: ``-entropy_coef * H`` per token (needs ``entropy``)."""
+    norm_length: Optional[float] = None
+    """``T_norm`` of seq-mean-token-sum-norm: a constant (the configured response length), not
+    the padded width, which changes with packing. None: the padded width ``T`` of the call."""
+    log_ratio_clamp: float = 10.0
+    """Log ratios are clamped to ``+-log_ratio_clamp`` before ``exp`` (verl clamps at 10)."""
+
+    def __post_init__(self) -> None:
+        if self.importance_sampling not in RATIO_FUNCTIONS:
+            raise ValueError(
+                f"unknown importance_sampling {self.importance_sampling!r}; known: "
+                f"{', '.join(RATIO_FUNCTIONS)}"
+            )
+        if self.loss_agg_mode not in LOSS_AGG_MODES:
+            raise ValueError(
+                f"unknown loss_agg_mode {self.loss_agg_mode!r}; known: {', '.join(LOSS_AGG_MODES)}"
+            )
+        if self.kl_estimator not in KL_ESTIMATORS:
+            raise ValueError(
+                f"unknown KL estimator {self.kl_estimator!r}; known: {', '.join(KL_ESTIMATORS)}"
+            )
 
 
 def policy_loss(
@@ -138,22 +195,13 @@ def policy_loss(
     old_log_probs: torch.Tensor,
     advantages: torch.Tensor,
     response_mask: torch.Tensor,
+    settings: PolicyLossSettings,
     *,
-    importance_sampling: str,
-    clip_low: float,
-    clip_high: float,
-    loss_agg_mode: str,
-    dual_clip_constant: Optional[float] = None,
     ref_log_probs: Optional[torch.Tensor] = None,
-    kl_coef: float = 0.0,
-    kl_estimator: str = "k3",
     entropy: Optional[torch.Tensor] = None,
-    entropy_coef: float = 0.0,
     num_sequences: Optional[Number] = None,
     num_tokens: Optional[Number] = None,
     sequence_lengths: Optional[torch.Tensor] = None,
-    norm_length: Optional[Number] = None,
-    log_ratio_clamp: float = 10.0,
     sequence_group: Optional[dist.ProcessGroup] = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Clipped policy-gradient loss (GSPO / GSPO-token / GRPO) and its metrics.
@@ -163,26 +211,19 @@ def policy_loss(
         old_log_probs: ``[B, T]`` log-probs under the sampling (old) policy.
         advantages: ``[B]`` or ``[B, T]``.
         response_mask: ``[B, T]`` bool; only these tokens enter the loss, its gradient and metrics.
-        importance_sampling: ``seq`` (GSPO), ``seq_token`` (GSPO-token) or ``token`` (GRPO).
-        clip_low, clip_high: ratio clipped to ``[1 - clip_low, 1 + clip_high]``.
-        loss_agg_mode: see the module docstring.
-        dual_clip_constant: ``c`` of dual clip for ``A < 0``; None disables.
-        ref_log_probs, kl_coef, kl_estimator: KL loss against a reference, added per token.
-        entropy, entropy_coef: ``[B, T]`` entropy of the policy; ``-entropy_coef * H`` per token.
+        settings: the loss's configuration (:class:`PolicyLossSettings`).
+        ref_log_probs: ``[B, T]`` reference log-probs: adds ``settings.kl_coef * KL`` per token.
+        entropy: ``[B, T]`` entropy of the policy: adds ``-settings.entropy_coef * H`` per token.
         num_sequences, num_tokens: global denominators ``N_seq``, ``N_tok`` (default: this batch's).
         sequence_lengths: global ``n_i`` ``[B]`` (default: ``response_mask.sum(-1)``).
-        norm_length: ``T_norm`` of seq-mean-token-sum-norm (default: ``T``).
-        log_ratio_clamp: log ratios are clamped to ``+-log_ratio_clamp`` before ``exp``.
         sequence_group: context-parallel group over which sequences are split (or None).
 
     Returns:
         ``(loss, metrics)``: the 0-d loss and 0-d metric tensors (see module docstring).
     """
-    if importance_sampling not in RATIO_FUNCTIONS:
-        raise ValueError(
-            f"unknown importance_sampling {importance_sampling!r}; known: "
-            f"{', '.join(RATIO_FUNCTIONS)}"
-        )
+    importance_sampling = settings.importance_sampling
+    clip_low, clip_high = settings.clip_low, settings.clip_high
+    dual_clip_constant = settings.dual_clip_constant
     mask = response_mask.bool()
     maskf = mask.to(log_probs.dtype)
     lengths = maskf.sum(-1) if sequence_lengths is None else sequence_lengths.to(log_probs.dtype)
@@ -190,11 +231,10 @@ def policy_loss(
         num_sequences = (lengths > 0).sum().clamp(min=1).to(log_probs.dtype)
     if num_tokens is None:
         num_tokens = maskf.sum().clamp(min=1)
-    if norm_length is None:
-        norm_length = log_probs.shape[-1]
+    norm_length = log_probs.shape[-1] if settings.norm_length is None else settings.norm_length
 
     ratio, seq_log_ratio = RATIO_FUNCTIONS[importance_sampling](
-        log_probs, old_log_probs.detach(), mask, lengths, log_ratio_clamp, sequence_group
+        log_probs, old_log_probs.detach(), mask, lengths, settings.log_ratio_clamp, sequence_group
     )
     advantages = advantages.to(log_probs.dtype).detach()
     token_advantages = (
@@ -217,7 +257,7 @@ def policy_loss(
         return aggregate(
             values,
             mask,
-            loss_agg_mode,
+            settings.loss_agg_mode,
             lengths=lengths,
             num_sequences=num_sequences,
             num_tokens=num_tokens,
@@ -236,14 +276,14 @@ def policy_loss(
         return (per_token.sum(-1) / lengths.clamp(min=1)).sum() / num_sequences
 
     if ref_log_probs is not None:
-        kl = kl_estimate(log_probs, ref_log_probs.detach(), kl_estimator)
+        kl = kl_estimate(log_probs, ref_log_probs.detach(), settings.kl_estimator)
         kl_loss = agg(kl)
-        loss = loss + kl_coef * kl_loss
+        loss = loss + settings.kl_coef * kl_loss
         metrics["kl_loss"] = kl_loss.detach()
         metrics["kl"] = token_mean(kl)
     if entropy is not None:
         entropy_loss = agg(entropy)
-        loss = loss - entropy_coef * entropy_loss
+        loss = loss - settings.entropy_coef * entropy_loss
         metrics["entropy_loss"] = entropy_loss.detach()
         metrics["entropy"] = token_mean(entropy)
 

@@ -195,6 +195,7 @@ class TrainEngine:
         copies) and the reference model copy are made. To change weights later, go through
         the checkpoint loader, then :meth:`copy_policy_to_reference` if needed."""
         self.cfg = cfg
+        self.loss_settings = cfg.algo.policy_loss_settings()
         self.parallel = parallel or initialize_parallel(
             cfg.parallel, cfg.seed, timeout_minutes=cfg.parallel.collective_timeout_minutes
         )
@@ -477,21 +478,12 @@ class TrainEngine:
                 old,
                 micro_batch.advantages.to(device),
                 micro_batch.local_mask.to(device),
-                importance_sampling=algo.importance_sampling,
-                clip_low=algo.clip_low,
-                clip_high=algo.clip_high,
-                loss_agg_mode=algo.loss_agg_mode,
-                dual_clip_constant=algo.dual_clip_constant if algo.dual_clip_loss else None,
+                self.loss_settings,
                 ref_log_probs=(micro_batch.ref_log_probs.to(device) if algo.use_kl_loss else None),
-                kl_coef=algo.kl_loss_coef if algo.use_kl_loss else 0.0,
-                kl_estimator=algo.kl_estimator,
                 entropy=entropy,
-                entropy_coef=algo.entropy_coef,
                 num_sequences=denominators.num_sequences,
                 num_tokens=denominators.num_tokens,
                 sequence_lengths=micro_batch.lengths.to(device),
-                norm_length=algo.response_length,
-                log_ratio_clamp=algo.log_ratio_clamp,
                 sequence_group=self.parallel.cp_group if self.parallel.cp > 1 else None,
             )
             metrics = {name: value.detach().float() for name, value in metrics.items()}

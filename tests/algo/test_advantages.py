@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from megatron_gspo.algo import (
+    AdvantageSettings,
     RunningMoments,
     add_token_level_kl,
     compute_advantages,
@@ -54,8 +55,8 @@ def test_group_estimators(estimator, unbiased, eps):
     assert result.dtype == torch.float64
     assert_list_close(result, expected)
     # Through the public entry point: float32, same values.
-    public = compute_advantages(
-        rewards, ids, estimator=estimator, std_unbiased=unbiased, std_eps=eps
+    public, _ = compute_advantages(
+        rewards, ids, AdvantageSettings(estimator=estimator, std_unbiased=unbiased, std_eps=eps)
     )
     assert public.dtype == torch.float32
     assert_list_close(public.double(), expected, rel=1e-6, abs_=1e-7)
@@ -101,10 +102,12 @@ def test_all_equal_groups_get_exactly_zero(estimator, baseline, reward_norm):
     whose float sum is inexact (0.1 + 0.1 + 0.1 != 0.3) must not leak ~1e-11 advantages."""
     rewards = [0.1, 0.1, 0.1, 1 / 3, 1 / 3, 1 / 3, 1 / 3, 0.7, 0.7, 0.2, 0.9]
     group_ids = [4, 4, 4, 9, 9, 9, 9, 2, 2, 6, 6]
-    result = compute_advantages(
-        *tensors(rewards, group_ids), estimator=estimator, reinforce_baseline=baseline,
-        reward_norm=reward_norm,
-    )  # fmt: skip
+    result, _ = compute_advantages(
+        *tensors(rewards, group_ids),
+        AdvantageSettings(
+            estimator=estimator, reinforce_baseline=baseline, reward_norm=reward_norm
+        ),
+    )
     assert result[:9].tolist() == [0.0] * 9
     assert (result[9:] != 0).all()
 
@@ -193,9 +196,8 @@ def test_reward_clip_and_its_fraction():
     rewards, ids = tensors()
     clip = 1.0
     advantages, metrics = compute_advantages(
-        rewards, ids, estimator="dr_grpo", reward_norm="batch", reward_clip=clip,
-        return_metrics=True,
-    )  # fmt: skip
+        rewards, ids, AdvantageSettings(estimator="dr_grpo", reward_norm="batch", reward_clip=clip)
+    )
     mean, std = statistics.fmean(REWARDS), statistics.stdev(REWARDS)
     normalised = [(r - mean) / (std + 1e-6) for r in REWARDS]
     outside = sum(abs(v) > clip for v in normalised)
@@ -211,7 +213,7 @@ def test_advantage_clip_sequence_fraction():
     rewards, ids = tensors()
     clip = 0.6
     advantages, metrics = compute_advantages(
-        rewards, ids, estimator="dr_grpo", advantage_clip=clip, return_metrics=True
+        rewards, ids, AdvantageSettings(estimator="dr_grpo", advantage_clip=clip)
     )
     raw = reference_advantages(REWARDS, GROUP_IDS, "dr_grpo")
     outside = sum(abs(a) > clip for a in raw)
@@ -225,9 +227,11 @@ def test_whitening_then_advantage_clip_token_weighted():
     rewards, ids = tensors()
     clip = 1.0
     advantages, metrics = compute_advantages(
-        rewards, ids, estimator="grpo", response_lengths=torch.tensor(LENGTHS),
-        whiten_advantages=True, advantage_clip=clip, return_metrics=True,
-    )  # fmt: skip
+        rewards,
+        ids,
+        AdvantageSettings(estimator="grpo", whiten=True, advantage_clip=clip),
+        response_lengths=torch.tensor(LENGTHS),
+    )
     white = reference_whiten(reference_advantages(REWARDS, GROUP_IDS, "grpo"), LENGTHS)
     outside_tokens = sum(n for a, n in zip(white, LENGTHS) if abs(a) > clip)
     assert 0 < outside_tokens < sum(LENGTHS)
@@ -240,7 +244,7 @@ def test_whitening_then_advantage_clip_token_weighted():
 def test_whiten_needs_lengths():
     rewards, ids = tensors()
     with pytest.raises(ValueError, match="response_lengths"):
-        compute_advantages(rewards, ids, estimator="grpo", whiten_advantages=True)
+        compute_advantages(rewards, ids, AdvantageSettings(estimator="grpo", whiten=True))
 
 
 def test_whiten_sequence_values_by_token_counts():
@@ -323,3 +327,44 @@ def test_unknown_estimator_and_baseline():
         estimate_advantages(rewards, ids, estimator="ppo")
     with pytest.raises(ValueError, match="median"):
         estimate_advantages(rewards, ids, estimator="reinforce", reinforce_baseline="median")
+
+
+def test_token_level_kl_through_compute_advantages():
+    """KL-in-reward on: sequence advantages, then the per-token KL return, then whitening and the
+    advantage clip over the response tokens (step 4 before 5 and 6)."""
+    generator = torch.Generator().manual_seed(17)
+    rewards, ids = tensors()
+    width = max(LENGTHS)
+    mask = torch.arange(width).unsqueeze(0) < torch.tensor(LENGTHS).unsqueeze(1)
+    old = -3 * torch.rand(len(REWARDS), width, generator=generator, dtype=torch.float64)
+    ref = old + torch.randn(len(REWARDS), width, generator=generator, dtype=torch.float64)
+    coef, clip = 0.2, 1.0
+    settings = AdvantageSettings(
+        estimator="grpo", token_level_kl_coef=coef, whiten=True, advantage_clip=clip
+    )
+    assert settings.per_token
+    advantages, metrics = compute_advantages(
+        rewards, ids, settings, response_lengths=torch.tensor(LENGTHS),
+        old_log_probs=old, ref_log_probs=ref, response_mask=mask,
+    )  # fmt: skip
+    sequence = reference_advantages(REWARDS, GROUP_IDS, "grpo")
+    token = reference_token_level_kl(sequence, old, ref, mask, coef, "k1")
+    valid = token[mask].tolist()
+    mean, var = statistics.fmean(valid), statistics.variance(valid)
+    white = torch.where(mask, (token - mean) / math.sqrt(var + 1e-8), 0.0)
+    assert advantages.shape == mask.shape and advantages.dtype == torch.float32
+    torch.testing.assert_close(advantages.double(), white.clamp(-clip, clip), rtol=1e-5, atol=1e-6)
+    kl = torch.where(mask, old - ref, 0.0)
+    assert float(metrics["token_level_kl"]) == pytest.approx(float(kl.sum() / mask.sum()))
+    outside = int(((white.abs() > clip) & mask).sum())
+    assert 0 < outside < int(mask.sum())
+    assert float(metrics["advantage_clip_frac"]) == pytest.approx(outside / int(mask.sum()))
+    with pytest.raises(ValueError, match="KL-in-reward"):
+        compute_advantages(rewards, ids, settings, response_lengths=torch.tensor(LENGTHS))
+
+
+def test_unknown_settings_raise():
+    with pytest.raises(ValueError, match="estimator"):
+        AdvantageSettings(estimator="ppo")
+    with pytest.raises(ValueError, match="reward_norm"):
+        AdvantageSettings(estimator="grpo", reward_norm="global")

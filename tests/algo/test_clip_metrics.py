@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from megatron_gspo.algo import policy_loss
+from megatron_gspo.algo import PolicyLossSettings, policy_loss
 
 
 def metrics_for(ratios, mask, advantages, importance_sampling, dual=None):
@@ -18,11 +18,13 @@ def metrics_for(ratios, mask, advantages, importance_sampling, dual=None):
         torch.zeros_like(log_probs),
         torch.tensor(advantages, dtype=torch.float64),
         torch.tensor(mask, dtype=torch.bool),
-        importance_sampling=importance_sampling,
-        clip_low=0.2,
-        clip_high=0.2,
-        loss_agg_mode="seq-mean-token-mean",
-        dual_clip_constant=dual,
+        PolicyLossSettings(
+            importance_sampling=importance_sampling,
+            clip_low=0.2,
+            clip_high=0.2,
+            loss_agg_mode="seq-mean-token-mean",
+            dual_clip_constant=dual,
+        ),
     )
     return {name: float(value) for name, value in metrics.items()}
 

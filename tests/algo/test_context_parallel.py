@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from megatron_gspo.algo import policy_loss
+from megatron_gspo.algo import PolicyLossSettings, policy_loss
 
 from .batches import WIDTH, make_batch
 
@@ -39,19 +39,21 @@ def run_loss(batch, columns, log_probs, importance_sampling, agg, group=None):
         batch.old_log_probs[:, columns],
         advantages,
         batch.mask[:, columns],
-        importance_sampling=importance_sampling,
-        clip_low=batch.clip_low,
-        clip_high=batch.clip_high,
-        loss_agg_mode=agg,
-        dual_clip_constant=batch.dual_clip_constant,
+        PolicyLossSettings(
+            importance_sampling=importance_sampling,
+            clip_low=batch.clip_low,
+            clip_high=batch.clip_high,
+            loss_agg_mode=agg,
+            dual_clip_constant=batch.dual_clip_constant,
+            kl_coef=0.3,
+            entropy_coef=0.05,
+            norm_length=WIDTH,
+        ),
         ref_log_probs=batch.ref_log_probs[:, columns],
-        kl_coef=0.3,
         entropy=batch.entropy[:, columns],
-        entropy_coef=0.05,
         num_sequences=float((lengths > 0).sum()),
         num_tokens=float(lengths.sum()),
         sequence_lengths=lengths,
-        norm_length=WIDTH,
         sequence_group=group,
     )
 

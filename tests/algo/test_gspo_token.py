@@ -7,25 +7,29 @@ import math
 import pytest
 import torch
 
-from megatron_gspo.algo import policy_loss
+from megatron_gspo.algo import PolicyLossSettings, policy_loss
 
 from .batches import make_batch
 
 EXACT = {"rtol": 1e-12, "atol": 1e-14}
 
 
-def loss_and_grad(batch, advantages, importance_sampling, **kwargs):
+def loss_and_grad(batch, advantages, importance_sampling, *, tensors=None, **settings):
+    """The loss with ``settings`` (PolicyLossSettings fields) and ``tensors`` (ref, entropy)."""
     log_probs = batch.log_probs.clone().requires_grad_()
     loss, metrics = policy_loss(
         log_probs,
         batch.old_log_probs,
         advantages,
         batch.mask,
-        importance_sampling=importance_sampling,
-        clip_low=batch.clip_low,
-        clip_high=batch.clip_high,
-        loss_agg_mode="seq-mean-token-mean",
-        **kwargs,
+        PolicyLossSettings(
+            importance_sampling=importance_sampling,
+            clip_low=batch.clip_low,
+            clip_high=batch.clip_high,
+            loss_agg_mode="seq-mean-token-mean",
+            **settings,
+        ),
+        **(tensors or {}),
     )
     loss.backward()
     return loss.detach(), log_probs.grad, metrics
@@ -43,7 +47,9 @@ def test_equal_with_one_advantage_per_sequence(advantage_shape, extras, dual, sc
     kwargs = {"dual_clip_constant": batch.dual_clip_constant if dual else None}
     if extras:
         kwargs.update(
-            ref_log_probs=batch.ref_log_probs, kl_coef=0.2, entropy=batch.entropy, entropy_coef=0.1
+            kl_coef=0.2,
+            entropy_coef=0.1,
+            tensors={"ref_log_probs": batch.ref_log_probs, "entropy": batch.entropy},
         )
     seq = loss_and_grad(batch, advantages, "seq", **kwargs)
     seq_token = loss_and_grad(batch, advantages, "seq_token", **kwargs)

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from megatron_gspo.algo import kl_estimate, policy_loss
+from megatron_gspo.algo import PolicyLossSettings, kl_estimate, policy_loss
 
 FORMULAS = {
     "k1": lambda lp, ref: lp - ref,
@@ -62,9 +62,12 @@ def test_huge_reference_gap_through_policy_loss(estimator, dtype):
     ref = torch.tensor([[999.0, -1002.0, -0.7]], dtype=dtype)
     loss, metrics = policy_loss(
         log_probs, log_probs.detach(), torch.tensor([1.0], dtype=dtype),
-        torch.ones(1, 3, dtype=torch.bool), importance_sampling="seq", clip_low=3e-4,
-        clip_high=4e-4, loss_agg_mode="seq-mean-token-mean", ref_log_probs=ref, kl_coef=0.1,
-        kl_estimator=estimator,
+        torch.ones(1, 3, dtype=torch.bool),
+        PolicyLossSettings(
+            importance_sampling="seq", clip_low=3e-4, clip_high=4e-4,
+            loss_agg_mode="seq-mean-token-mean", kl_coef=0.1, kl_estimator=estimator,
+        ),
+        ref_log_probs=ref,
     )  # fmt: skip
     loss.backward()
     assert torch.isfinite(loss) and torch.isfinite(log_probs.grad).all()

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from megatron_gspo.algo import policy_loss
+from megatron_gspo.algo import PolicyLossSettings, policy_loss
 
 from .batches import make_batch
 
@@ -24,16 +24,18 @@ def run(batch, values, importance_sampling, agg):
         values["old_log_probs"],
         values["advantages"],
         batch.mask,
-        importance_sampling=importance_sampling,
-        clip_low=batch.clip_low,
-        clip_high=batch.clip_high,
-        loss_agg_mode=agg,
-        dual_clip_constant=batch.dual_clip_constant,
+        PolicyLossSettings(
+            importance_sampling=importance_sampling,
+            clip_low=batch.clip_low,
+            clip_high=batch.clip_high,
+            loss_agg_mode=agg,
+            dual_clip_constant=batch.dual_clip_constant,
+            kl_coef=0.3,
+            kl_estimator="k3",
+            entropy_coef=0.05,
+        ),
         ref_log_probs=values["ref_log_probs"],
-        kl_coef=0.3,
-        kl_estimator="k3",
         entropy=entropy,
-        entropy_coef=0.05,
     )
     loss.backward()
     return loss.detach(), metrics, log_probs.grad, entropy.grad
@@ -79,19 +81,19 @@ def test_fully_masked_sequence_adds_nothing(importance_sampling):
     """Dropping an all-masked row changes nothing once the denominators are the same."""
     batch = make_batch(seed=10)
     assert not batch.mask[7].any()
-    kwargs = {
-        "importance_sampling": importance_sampling,
-        "clip_low": batch.clip_low,
-        "clip_high": batch.clip_high,
-        "loss_agg_mode": "seq-mean-token-mean",
-    }
+    settings = PolicyLossSettings(
+        importance_sampling=importance_sampling,
+        clip_low=batch.clip_low,
+        clip_high=batch.clip_high,
+        loss_agg_mode="seq-mean-token-mean",
+    )
     full, _ = policy_loss(
-        batch.log_probs, batch.old_log_probs, batch.advantages, batch.mask, **kwargs
+        batch.log_probs, batch.old_log_probs, batch.advantages, batch.mask, settings
     )
     kept = slice(0, 7)
     part, _ = policy_loss(
         batch.log_probs[kept], batch.old_log_probs[kept], batch.advantages[kept],
-        batch.mask[kept], **kwargs,
+        batch.mask[kept], settings,
     )  # fmt: skip
     torch.testing.assert_close(full, part, rtol=1e-14, atol=0)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_gspo.algo import aggregate, policy_loss
+from megatron_gspo.algo import PolicyLossSettings, aggregate, policy_loss
 
 from .batches import make_batch
 from .reference import kl_reference, reference_policy_loss
@@ -17,6 +17,7 @@ TIGHT = {"rtol": 1e-10, "atol": 1e-12}
 
 
 def loss_kwargs(batch, *, importance_sampling, agg, dual, kl, entropy_on):
+    """Keyword arguments of the float64 reference; :func:`settings_of` takes the loss's from them."""
     return {
         "importance_sampling": importance_sampling,
         "clip_low": batch.clip_low,
@@ -30,13 +31,22 @@ def loss_kwargs(batch, *, importance_sampling, agg, dual, kl, entropy_on):
     }
 
 
+def settings_of(kwargs) -> tuple[PolicyLossSettings, dict]:
+    """``kwargs`` of the reference split into the loss's settings and its tensor arguments."""
+    tensors = {"ref_log_probs": kwargs["ref_log_probs"]}
+    fields = {name: value for name, value in kwargs.items() if name != "ref_log_probs"}
+    return PolicyLossSettings(**fields), tensors
+
+
 def run_both(batch, kwargs, entropy_on):
     """(implementation loss, metrics, grads), (reference parts, grads) on fresh leaves."""
     log_probs = batch.log_probs.clone().requires_grad_()
     entropy = batch.entropy.clone().requires_grad_() if entropy_on else None
+    settings, tensors = settings_of(kwargs)
     loss, metrics = policy_loss(
-        log_probs, batch.old_log_probs, batch.advantages, batch.mask, entropy=entropy, **kwargs
-    )
+        log_probs, batch.old_log_probs, batch.advantages, batch.mask, settings, entropy=entropy,
+        **tensors,
+    )  # fmt: skip
     loss.backward()
     grads = (log_probs.grad, entropy.grad if entropy_on else None)
 
@@ -140,9 +150,11 @@ def test_gradcheck(importance_sampling, agg, per_token):
         entropy_on=False,
     )  # fmt: skip
 
+    settings, tensors = settings_of(kwargs)
+
     def loss_of(log_probs):
         loss, _ = policy_loss(
-            log_probs, batch.old_log_probs, batch.advantages, batch.mask, **kwargs
+            log_probs, batch.old_log_probs, batch.advantages, batch.mask, settings, **tensors
         )
         return loss
 
@@ -173,11 +185,21 @@ def test_unknown_modes_raise():
     with pytest.raises(ValueError, match="importance_sampling"):
         policy_loss(
             batch.log_probs, batch.old_log_probs, batch.advantages, batch.mask,
-            importance_sampling="sequence", clip_low=0.2, clip_high=0.2,
-            loss_agg_mode="token-mean",
+            PolicyLossSettings(
+                importance_sampling="sequence", clip_low=0.2, clip_high=0.2,
+                loss_agg_mode="token-mean",
+            ),
         )  # fmt: skip
     with pytest.raises(ValueError, match="loss_agg_mode"):
         policy_loss(
             batch.log_probs, batch.old_log_probs, batch.advantages, batch.mask,
-            importance_sampling="seq", clip_low=0.2, clip_high=0.2, loss_agg_mode="token_mean",
+            PolicyLossSettings(
+                importance_sampling="seq", clip_low=0.2, clip_high=0.2,
+                loss_agg_mode="token_mean",
+            ),
+        )  # fmt: skip
+    with pytest.raises(ValueError, match="KL estimator"):
+        PolicyLossSettings(
+            importance_sampling="seq", clip_low=0.2, clip_high=0.2, loss_agg_mode="token-mean",
+            kl_estimator="k4",
         )  # fmt: skip

@@ -20,7 +20,7 @@ import torch
 
 pytest.importorskip("trl")
 
-from megatron_gspo.algo import policy_loss  # noqa: E402
+from megatron_gspo.algo import PolicyLossSettings, policy_loss  # noqa: E402
 
 CLIP_LOW, CLIP_HIGH = 3e-4, 4e-4
 BATCH, LENGTH, PROMPT = 8, 12, 5
@@ -108,10 +108,12 @@ def _our_loss(log_probs, old, advantages, mask):
         old,
         advantages,
         mask,
-        importance_sampling="seq",
-        clip_low=CLIP_LOW,
-        clip_high=CLIP_HIGH,
-        loss_agg_mode="seq-mean-token-mean",
+        PolicyLossSettings(
+            importance_sampling="seq",
+            clip_low=CLIP_LOW,
+            clip_high=CLIP_HIGH,
+            loss_agg_mode="seq-mean-token-mean",
+        ),
     )
     (gradient,) = torch.autograd.grad(loss, leaf)
     return loss.detach(), gradient, metrics

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 
 import pytest
@@ -239,3 +240,49 @@ def test_check_world():
     assert_config_error(error.value, "parallel.ep")
     ParallelConfig(tp=2, ep=4).check_world(8)  # dp 4 x tp 2 = 8 expert ranks
     ParallelConfig(cp=2, ep=2).check_world(2)  # dp 1 x cp 2
+
+
+def test_algo_settings_translate_the_keys_once():
+    """``AlgoConfig`` is translated into the algorithm core's settings in one place, with
+    switched-off features as the settings' "off" values."""
+    from megatron_gspo.algo import (
+        KL_ESTIMATORS,
+        LOSS_AGG_MODES,
+        AdvantageSettings,
+        PolicyLossSettings,
+    )
+    from megatron_gspo.config import KL_ESTIMATORS as CONFIG_KL_ESTIMATORS
+    from megatron_gspo.config import LOSS_AGG_MODES as CONFIG_LOSS_AGG_MODES
+
+    assert CONFIG_LOSS_AGG_MODES == LOSS_AGG_MODES and CONFIG_KL_ESTIMATORS == KL_ESTIMATORS
+    plain = load_quietly(None, ["algo.response_length=12"]).algo
+    assert plain.policy_loss_settings() == PolicyLossSettings(
+        importance_sampling="seq",
+        clip_low=3e-4,
+        clip_high=4e-4,
+        loss_agg_mode="seq-mean-token-mean",
+        dual_clip_constant=None,
+        kl_coef=0.0,
+        kl_estimator="k3",
+        entropy_coef=0.0,
+        norm_length=12,
+        log_ratio_clamp=10.0,
+    )
+    assert plain.advantage_settings() == AdvantageSettings(estimator="grpo")
+    on = AlgoConfig(
+        importance_sampling="seq_token",
+        dual_clip_loss=True,
+        use_kl_loss=True,
+        kl_loss_coef=0.02,
+        add_token_level_kl=True,
+        token_level_kl_coef=0.3,
+        whiten_advantages=True,
+        advantage_clip=2.0,
+    )
+    loss = on.policy_loss_settings()
+    assert (loss.dual_clip_constant, loss.kl_coef) == (3.0, 0.02)
+    advantages = on.advantage_settings()
+    assert advantages.per_token and advantages.token_level_kl_coef == 0.3
+    assert (advantages.whiten, advantages.advantage_clip) == (True, 2.0)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        loss.kl_coef = 1.0
