@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import json
 import logging
+import multiprocessing
 import os
 import random
 import re
@@ -53,6 +54,7 @@ from megatron_gspo.engine.optimizer_state import (
     optimizer_load_request,
     optimizer_sharded_state,
 )
+from megatron_gspo.lifetime import die_with_parent
 
 logger = logging.getLogger(__name__)
 
@@ -361,6 +363,36 @@ def _check_model(engine: Any, saved: dict) -> None:
 
 
 # ---------------------------------------------------------------------------------------------
+# The writer's result queue
+# ---------------------------------------------------------------------------------------------
+
+
+def _start_writer_result_queue() -> None:
+    """Start the process behind Megatron's checkpoint-writer result queue ourselves, so that it
+    dies with the trainer.
+
+    ``dist_checkpointing``'s torch_dist writer sends its results through a queue that
+    ``megatron.core.dist_checkpointing.strategies.filesystem_async._get_write_results_queue``
+    (megatron-core 0.16.1) creates at the first save as ``spawn``-context ``Manager().Queue()``:
+    a manager process (277 MB on the CPU demo) that lives as long as the trainer and survives a
+    SIGKILL of it. Megatron creates the queue only while its module global is None; we fill the
+    global first with a queue whose manager asks for SIGKILL when the trainer dies
+    (:func:`megatron_gspo.lifetime.die_with_parent`). A version without that global is left
+    alone (tests/e2e/test_cleanup.py fails if its writer outlives the trainer).
+    """
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if getattr(filesystem_async, "_results_queue", "absent") is not None:
+        return  # already started, or this version has no such global
+    from multiprocessing.managers import SyncManager
+
+    manager = SyncManager(ctx=multiprocessing.get_context("spawn"))
+    manager.start(initializer=die_with_parent, initargs=(os.getpid(),))
+    # The queue's proxy keeps the manager object (and so the process) alive for the run.
+    filesystem_async._results_queue = manager.Queue()
+
+
+# ---------------------------------------------------------------------------------------------
 # Save / load
 # ---------------------------------------------------------------------------------------------
 
@@ -437,6 +469,7 @@ def save_checkpoint(
     sharded = {**model, "rng_state": _rng_sharded(_rng_state())}
     if optimizer_tensors:  # an empty dict would land in the common (rank-0) state
         sharded["optimizer"] = optimizer_tensors
+    _start_writer_result_queue()
     dist_checkpointing.save(sharded, temporary, validate_access_integrity=True)
     metadata = {
         "format": FORMAT,

@@ -2,7 +2,8 @@
 
 :func:`build_launch_command` is a pure function (tested on CPU); :class:`SGLangServerProcess`
 starts it, waits for ``/health_generate`` with a deadline and, if the server dies or never gets
-healthy, raises with the tail of its log. Actually launching needs a GPU and sglang installed.
+healthy, raises with the tail of its log; the server dies with the trainer, even a SIGKILLed one
+(:mod:`megatron_gspo.lifetime`). Actually launching needs a GPU and sglang installed.
 
 Flags (SGLang 0.5.23 ServerArgs): ``--model-path``, ``--host``, ``--port``, ``--tp-size``,
 ``--ep-size``, ``--mem-fraction-static``, ``--skip-tokenizer-init`` (the trainer sends token ids),
@@ -24,6 +25,7 @@ from typing import Any, Optional
 
 import requests
 
+from megatron_gspo.lifetime import command_dying_with_parent
 from megatron_gspo.rollout.types import RolloutEngineError
 
 logger = logging.getLogger(__name__)
@@ -181,8 +183,13 @@ class SGLangServerProcess:
         descriptor = os.open(self.log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
         log_file = os.fdopen(descriptor, "ab")
         logger.info("starting SGLang: %s (log %s)", redacted(self.command), self.log_path)
+        # The server is SIGKILLed by the kernel if the trainer dies without stopping it (a
+        # SIGKILLed trainer runs no cleanup); see megatron_gspo.lifetime.
         self.process = subprocess.Popen(
-            self.command, stdout=log_file, stderr=subprocess.STDOUT, env=self.env
+            command_dying_with_parent(self.command),
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+            env=self.env,
         )
         log_file.close()
         return self

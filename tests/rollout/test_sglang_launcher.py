@@ -128,3 +128,44 @@ def test_child_server_becomes_healthy_and_serves(tmp_path):
     finally:
         server.stop()
     assert server.process.poll() is not None
+
+
+def test_launched_server_dies_with_a_sigkilled_trainer(tmp_path):
+    """SIGKILL gives the trainer no chance to stop its servers: the kernel must (PDEATHSIG)."""
+    import signal
+    import subprocess
+    import time
+
+    import psutil
+
+    server_command = [sys.executable, "-c", "import time; time.sleep(600)"]
+    server_command += ["--host", "127.0.0.1", "--port", str(_free_port())]
+    trainer_code = (
+        "import sys, time\n"
+        "from megatron_gspo.rollout.sglang_launcher import SGLangServerProcess\n"
+        f"server = SGLangServerProcess({server_command!r}, {str(tmp_path / 'server.log')!r})\n"
+        "print(server.start().process.pid, flush=True)\n"
+        "time.sleep(600)\n"
+    )
+    trainer = subprocess.Popen(
+        [sys.executable, "-c", trainer_code], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        server = psutil.Process(int(trainer.stdout.readline()))
+        time.sleep(1.0)  # the exec shim has replaced itself with the server command
+        assert "time.sleep(600)" in " ".join(server.cmdline())
+        trainer.send_signal(signal.SIGKILL)
+        trainer.wait()
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            try:
+                if server.status() == psutil.STATUS_ZOMBIE:
+                    break
+            except psutil.NoSuchProcess:
+                break
+            time.sleep(0.1)
+        else:
+            server.kill()
+            raise AssertionError("the launched server outlived its SIGKILLed trainer")
+    finally:
+        trainer.kill()

@@ -1,0 +1,67 @@
+"""Child processes that end with the trainer, however the trainer ends.
+
+A clean exit, an exception or Ctrl-C closes what the run started (``loop.run`` holds one exit
+stack). A SIGKILL (the OOM killer, ``kill -9``, a scheduler pre-empting the job) gives the trainer
+no chance to run any cleanup, so every long-lived child also asks the kernel to end it when its
+parent dies:
+
+- launched SGLang servers: started through :func:`command_dying_with_parent`, a two-line exec
+  shim that sets ``PR_SET_PDEATHSIG`` and then ``exec``\\ s the server (the setting survives
+  ``exec``, so the server process itself carries it; SGLang's own children already end with it);
+- Megatron's checkpoint-writer result queue: a ``multiprocessing`` manager process that
+  ``dist_checkpointing`` spawns at the first save and never stops (277 MB on the CPU demo);
+  :mod:`megatron_gspo.engine.checkpoint` starts it itself, with :func:`die_with_parent` as the
+  manager's initializer;
+- reward workers: a watchdog thread that exits when the worker is re-parented
+  (:mod:`megatron_gspo.reward.worker` says why not ``PR_SET_PDEATHSIG`` there).
+
+``PR_SET_PDEATHSIG`` fires when the *thread* that started the child ends, not the process: start
+such children from the main thread (the trainer does), never from a short-lived thread. It is a
+Linux feature; elsewhere these functions only check that the parent is still alive.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import sys
+from collections.abc import Sequence
+
+PR_SET_PDEATHSIG = 1
+"""``prctl`` option (linux/prctl.h): the signal the kernel sends when the parent thread dies."""
+
+_EXEC_SHIM = (
+    "import ctypes, os, signal, sys\n"
+    "parent = int(sys.argv[1])\n"
+    "if sys.platform.startswith('linux'):\n"
+    "    ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL), 0, 0, 0)\n"
+    "if os.getppid() != parent:\n"
+    "    sys.exit(1)\n"
+    "os.execvp(sys.argv[2], sys.argv[2:])\n"
+)
+"""``python -c`` program of :func:`command_dying_with_parent` (argv: parent pid, command...). It
+imports nothing of this package, so it runs under any ``PYTHONPATH``. The ``getppid`` check
+covers a parent that died before ``prctl`` took effect."""
+
+
+def die_with_parent(parent_pid: int, signal_number: int = signal.SIGKILL) -> None:
+    """Have the kernel send ``signal_number`` to this process when its parent dies.
+
+    For a child process to call first thing (e.g. as a ``multiprocessing`` initializer, with the
+    parent's pid as argument). If the parent is already gone, the signal is sent right away.
+    """
+    if sys.platform.startswith("linux"):
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(PR_SET_PDEATHSIG, int(signal_number), 0, 0, 0) != 0:
+            error = ctypes.get_errno()
+            raise OSError(error, f"prctl(PR_SET_PDEATHSIG) failed: {os.strerror(error)}")
+    if os.getppid() != parent_pid:
+        os.kill(os.getpid(), signal_number)
+
+
+def command_dying_with_parent(command: Sequence[str]) -> list[str]:
+    """``command`` wrapped so that the process it becomes is SIGKILLed when the process that
+    starts it (this one) dies. The wrapper ``exec``\\ s ``command``: same pid, same process, no
+    extra process in the tree."""
+    return [sys.executable, "-c", _EXEC_SHIM, str(os.getpid()), *command]
