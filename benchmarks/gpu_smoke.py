@@ -188,6 +188,7 @@ def main(argv: list[str] | None = None) -> int:
         f"steps={args.steps}",
         "logging.progress_bar=false",
         "checkpoint.interval=0",
+        "overwrite_output_dir=true",  # a rerun into --output-dir replaces the smoke run
         f"output_dir={output_dir}",
         *args.overrides,
     ]

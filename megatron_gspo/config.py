@@ -872,6 +872,9 @@ class TrainConfig:
     seed: int = 1234
     resume: bool = False
     """Continue from the latest complete checkpoint in output_dir/checkpoints."""
+    overwrite_output_dir: bool = False
+    """A fresh run (resume=false) refuses an output_dir that holds another run's metrics or
+    checkpoints; true deletes them (metrics.jsonl, tensorboard/, checkpoints/) before starting."""
     sft_warmup_steps: int = 20
     """Supervised cold start before RL: this many optimizer steps of maximum likelihood on the
     data's reference answers (rollout_batch_size prompts each). The GSPO paper also starts RL from

@@ -96,6 +96,15 @@ def main(argv: list[str] | None = None) -> int:
         print(yaml.safe_dump(to_dict(config), sort_keys=False))
         return 0
     logging.getLogger().setLevel(config.logging.log_level if rank == 0 else logging.WARNING)
+    if rank == 0:  # the driver owns the outputs, data, rewards and rollout servers
+        from megatron_gspo.preflight import check_before_start, prepare_output_dir
+
+        try:
+            check_before_start(config)
+        except ConfigError as error:
+            print(error, file=sys.stderr)
+            return 2
+        prepare_output_dir(config)
 
     from megatron_gspo.loop import run
 

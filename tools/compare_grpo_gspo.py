@@ -60,7 +60,13 @@ VARIANTS: dict[str, list[str]] = {
         "algo.routing_replay=r3",
     ],
 }
-COMMON = ["algo.old_log_prob_source=recompute", "logging.progress_bar=false"]
+# The tool owns the variant folders under --out: a rerun replaces a variant's previous run
+# (--skip-existing keeps the finished ones instead).
+COMMON = [
+    "algo.old_log_prob_source=recompute",
+    "logging.progress_bar=false",
+    "overwrite_output_dir=true",
+]
 QUICK = [
     "steps=6",
     "sft_warmup_steps=10",
