@@ -34,10 +34,14 @@ class TrainSample:
     """``[R]`` float32 log-probs reported by the rollout engine."""
     ref_log_probs: Optional[torch.Tensor] = None
     """``[R]`` float32 log-probs under the frozen reference policy."""
-    routed_experts: Optional[torch.Tensor] = None
-    """``[L - 1, M, K]`` uint8/int16 expert ids per token and MoE layer: from the rollout engine
-    (R3; its last token never ran forward, so there are L - 1 rows) or recorded by the training
-    engine (R2)."""
+    rollout_routes: Optional[torch.Tensor] = None
+    """``[L - 1, M, K]`` uint8/int16 expert ids per token and MoE layer from the rollout engine
+    (its last token never ran forward, so there are L - 1 rows; format: :mod:`megatron_gspo.
+    routes`). R3 replays them."""
+    old_routes: Optional[torch.Tensor] = None
+    """``[L - 1, M, K]`` the old policy's native routes, recorded by the training engine's
+    old-log-prob forward (``forward_log_probs(record_routes=True)``). R2 replays them; they are
+    the reference of ``routing_change_frac``."""
     reward: float = 0.0
     finish_reason: str = "stop"
     weight_version: int = 0

@@ -39,8 +39,10 @@ def set_old_log_probs(engine, samples: list[TrainSample], algo: AlgoConfig) -> N
         # R2 replays, and routing_change_frac compares with, the routes this forward records.
         record = algo.routing_replay == "r2" or algo.log_routing_change
         old = engine.forward_log_probs(samples, record_routes=record)
-        for sample, log_probs in zip(samples, old):
+        for index, (sample, log_probs) in enumerate(zip(samples, old.log_probs)):
             sample.old_log_probs = log_probs
+            if old.routes is not None:
+                sample.old_routes = old.routes[index]
     elif algo.old_log_prob_source == "rollout":
         for sample in samples:
             if sample.rollout_log_probs is None:
@@ -49,7 +51,8 @@ def set_old_log_probs(engine, samples: list[TrainSample], algo: AlgoConfig) -> N
                 )
             sample.old_log_probs = sample.rollout_log_probs
     if algo.needs_reference_model:
-        for sample, log_probs in zip(samples, engine.forward_log_probs(samples, reference=True)):
+        reference = engine.forward_log_probs(samples, reference=True)
+        for sample, log_probs in zip(samples, reference.log_probs):
             sample.ref_log_probs = log_probs
 
 
@@ -232,12 +235,12 @@ def sft_warmup(engine, task: Optional[Task], cfg: TrainConfig, broadcast) -> dic
             samples = [_reference_sample(prompt, task) for prompt in prompts]
         samples = broadcast(samples)
         with engine.native_routing():  # reference answers have no routes to replay
-            log_probs = engine.forward_log_probs(samples)
+            log_probs = engine.forward_log_probs(samples).log_probs
             for sample, values in zip(samples, log_probs):
                 sample.old_log_probs = values
             if cfg.algo.needs_reference_model:  # the KL loss term needs them
                 for sample, values in zip(
-                    samples, engine.forward_log_probs(samples, reference=True)
+                    samples, engine.forward_log_probs(samples, reference=True).log_probs
                 ):
                     sample.ref_log_probs = values
             nll.append(float(-torch.cat(log_probs).mean()))
@@ -433,7 +436,7 @@ def generate(
                 rollout_log_probs=None
                 if result.output_log_probs is None
                 else torch.as_tensor(result.output_log_probs, dtype=torch.float32),
-                routed_experts=None if routes is None else torch.from_numpy(routes),
+                rollout_routes=None if routes is None else torch.from_numpy(routes),
                 finish_reason=result.finish_reason,
                 weight_version=result.weight_version,
                 metadata={"prompt_index": index // group_size},

@@ -16,19 +16,23 @@ the router's dense scores at the forced indices, so the router keeps its gradien
 load-balancing loss of megatron-core 0.16 uses its own top-k of the router logits, not the
 replayed one (replayed routes change which experts compute, not that loss).
 
-Layout. Routes are ``[L - 1, M, K]`` per sample (``M`` MoE layers, ``K`` = top-k), row ``t`` being
-the experts of token ``t`` as an input. The packer feeds exactly these ``L - 1`` positions
-(``tokens[:-1]``: the last token predicts nothing), so the rollout engine's ``L - 1`` rows cover
-every input position and **no row is missing**: the last-token problem of verl/slime (they feed
-all ``L`` tokens) does not arise here. Only the THD padding of each sequence (to the multiple
-tp/cp need) and filler micro-batches have no route; they get the distinct, balanced ids of
-:func:`balanced_pad_routes` (never duplicates such as all zeros: duplicate ids break top-k and pile
-padding onto one expert-parallel rank); their outputs reach no real token (causal attention,
-padding at sequence ends) and padding is excluded from the load-balancing statistics. Routes go
-through the same steps as the input ids: THD packing (:meth:`PackedSequences.full_row`), the
-context-parallel zig-zag (:func:`~megatron_gspo.engine.packing.split_for_context_parallel`),
-Megatron's sequence-parallel scatter over tp (hidden states are ``[s / tp, b, h]`` in the router),
-and pipeline stages (each chunk sets only its own layers, found by global layer number).
+Sources. Routes are ``[L - 1, M, K]`` per sample (the format of :mod:`megatron_gspo.routes`).
+The sample declares both kinds: ``TrainSample.rollout_routes`` from the rollout engine and
+``TrainSample.old_routes``, recorded natively by the old-log-prob forward
+(``forward_log_probs(record_routes=True)`` returns them; the stage that calls it stores them). The
+replay picks its source by mode, R2 the old routes and R3 the rollout's; nothing is overwritten.
+
+Layout. The packer feeds exactly the ``L - 1`` input positions (``tokens[:-1]``: the last token
+predicts nothing), so the rollout engine's ``L - 1`` rows cover every input position and **no
+row is missing**: the last-token problem of verl/slime (they feed all ``L`` tokens) does not arise
+here. Only the THD padding of each sequence (to the multiple tp/cp need) and filler micro-batches
+have no route; they get the distinct, balanced ids of :func:`~megatron_gspo.routes.
+balanced_pad_routes`; their outputs reach no real token (causal attention, padding at sequence
+ends) and padding is excluded from the load-balancing statistics. Routes go through the same
+steps as the input ids: THD packing (:meth:`PackedSequences.full_row`), the context-parallel
+zig-zag (:func:`~megatron_gspo.engine.packing.split_for_context_parallel`), Megatron's
+sequence-parallel scatter over tp (hidden states are ``[s / tp, b, h]`` in the router), and
+pipeline stages (each chunk sets only its own layers, found by global layer number).
 
 Consumption. Every replaying forward must consume each layer's routes exactly once: a layer that
 did not route (or routed twice) raises :class:`RoutingReplayError`. With full activation
@@ -40,11 +44,11 @@ top-k SET under the weights being trained differs from the old policy's. A token
 position that predicts it (``P - 1 + j`` for response token ``j``). The native top-k is exact and
 nearly free: under replay Megatron still hands the router scores to ``RouterReplay``, which takes
 one extra top-k of them; without replay the forward records its native routes. "The old
-policy's routes" are those the old-log-prob forward computed natively (recorded in
-:data:`OLD_ROUTES_KEY` of the sample's metadata; under R3 that forward replays the rollout's routes
-and records what the trainer would have chosen, so the metric isolates the drift caused by the
-updates from train/inference mismatch). ``routing_change_frac_vs_rollout`` compares with the
-rollout engine's routes (R3, or whenever samples carry them and R2 has not replaced them). Without
+policy's routes" are ``TrainSample.old_routes``, those the old-log-prob forward computed
+natively (under R3 that forward replays the rollout's routes and records what the trainer would
+have chosen, so the metric isolates the drift caused by the updates from train/inference
+mismatch). ``routing_change_frac_vs_rollout`` compares with the rollout engine's routes (under R3,
+or without replay when the samples carry them). Without
 an old-log-prob forward (``old_log_prob_source`` rollout or detach) ``routing_change_frac`` is not
 reported.
 """
@@ -63,93 +67,18 @@ from megatron.core.transformer.moe.router_replay import RouterReplay, RouterRepl
 
 from megatron_gspo.config import TrainConfig
 from megatron_gspo.engine.parallel import ParallelState
+from megatron_gspo.routes import balanced_pad_routes, check_routes, route_dtype, topk_sets_differ
 from megatron_gspo.samples import TrainSample
 
 if TYPE_CHECKING:
     from megatron_gspo.engine.batches import MicroBatch
-
-OLD_ROUTES_KEY = "old_routed_experts"
-"""``TrainSample.metadata`` key of the old policy's native routes ``[L - 1, M, K]`` (recorded by
-``forward_log_probs(record_routes=True)``), the reference of ``routing_change_frac``."""
 
 _TRANSPORT_CHUNK = 1 << 26
 """Elements per all-reduce when gathering recorded routes (bounds the device buffer)."""
 
 
 class RoutingReplayError(RuntimeError):
-    """Routes are missing, malformed, or were not consumed exactly once."""
-
-
-# ---------------------------------------------------------------------------------------------
-# Pure helpers
-# ---------------------------------------------------------------------------------------------
-
-
-def route_dtype(num_experts: int) -> torch.dtype:
-    """Storage dtype of expert ids: uint8 up to 256 experts, int16 above."""
-    if num_experts <= 256:
-        return torch.uint8
-    if num_experts <= 32768:
-        return torch.int16
-    raise ValueError(f"{num_experts} experts do not fit in int16 expert ids")
-
-
-def balanced_pad_routes(positions: torch.Tensor, topk: int, num_experts: int) -> torch.Tensor:
-    """``[n, K]`` int64 expert ids for rows without a route: row at packed position ``p`` gets
-    ``(p K + [0, K)) mod E``, distinct within the row (K <= E) and spread evenly over experts
-    (hence over expert-parallel ranks) across rows."""
-    steps = torch.arange(topk, dtype=torch.long, device=positions.device)
-    return (positions.long().unsqueeze(1) * topk + steps) % num_experts
-
-
-def topk_sets_differ(first: torch.Tensor, second: torch.Tensor) -> torch.Tensor:
-    """``[n]`` bool: whether rows of two ``[n, K]`` id tensors hold different SETS of experts
-    (top-k column order is irrelevant: the combine sums over experts)."""
-    first = first.long().sort(dim=-1).values
-    second = second.to(first.device).long().sort(dim=-1).values
-    return (first != second).any(dim=-1)
-
-
-def check_routes(
-    routes: Optional[torch.Tensor],
-    *,
-    where: str,
-    num_positions: int,
-    num_moe_layers: int,
-    topk: int,
-    num_experts: int,
-    source: str,
-) -> torch.Tensor:
-    """Validate one sample's routes ``[L - 1, M, K]``: integer ids in ``[0, E)``, no duplicate
-    expert within a row. Returns them; raises :class:`RoutingReplayError` naming ``where``."""
-    if routes is None:
-        raise RoutingReplayError(f"{where}: routed_experts are missing ({source})")
-    expected = (num_positions, num_moe_layers, topk)
-    if tuple(routes.shape) != expected:
-        raise RoutingReplayError(
-            f"{where}: routed_experts have shape {tuple(routes.shape)}, expected {expected} "
-            f"(one row per input token = L - 1, one column per MoE layer, top-k ids) ({source})"
-        )
-    if routes.is_floating_point() or routes.dtype == torch.bool:
-        raise RoutingReplayError(f"{where}: routed_experts must be integer ids, got {routes.dtype}")
-    if routes.numel() == 0:
-        return routes
-    low, high = int(routes.min()), int(routes.max())
-    if low < 0 or high >= num_experts:
-        raise RoutingReplayError(
-            f"{where}: routed_experts hold expert id {low if low < 0 else high}, outside "
-            f"[0, num_experts={num_experts}); ids must be logical (before any expert-placement "
-            f"remap) ({source})"
-        )
-    ordered = routes.long().sort(dim=-1).values
-    duplicate = (ordered[..., 1:] == ordered[..., :-1]).any(dim=-1)
-    if bool(duplicate.any()):
-        token, layer = (int(i) for i in duplicate.nonzero()[0])
-        raise RoutingReplayError(
-            f"{where}: routed_experts repeat an expert at token {token}, MoE layer {layer}: "
-            f"{routes[token, layer].tolist()}; each token routes to K distinct experts ({source})"
-        )
-    return routes
+    """Routes were not consumed exactly once, or a router bypassed its ``RouterReplay``."""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -400,9 +329,6 @@ class PolicyRouting:
             for index, (sample, route) in enumerate(zip(samples, routes))
         ]
 
-    def _replayed(self, samples: Sequence[TrainSample], source: str) -> list[torch.Tensor]:
-        return self._validated(samples, [s.routed_experts for s in samples], source)
-
     @contextmanager
     def old_policy_pass(
         self,
@@ -412,11 +338,12 @@ class PolicyRouting:
         record: bool,
     ) -> Iterator[Optional[RoutingPass]]:
         """The old-log-prob forward: replays the rollout's routes under R3, records the native
-        routes when ``record`` (then stored on the samples when the pass ends)."""
+        routes when ``record`` (``RoutingPass.recorded`` once the pass has ended)."""
         replay = None
         if self.mode == "r3":
-            replay = self._replayed(
+            replay = self._validated(
                 samples,
+                [s.rollout_routes for s in samples],
                 "routing_replay=r3 replays the rollout engine's routes: request them "
                 "(GenerateRequest.return_routed_experts; SGLang --enable-return-routed-experts)",
             )
@@ -427,37 +354,39 @@ class PolicyRouting:
             self, samples, micro_batches, replay=replay, record=record, backward=False
         ) as routing_pass:
             yield routing_pass
-        if record:
-            for sample, routes in zip(samples, routing_pass.recorded):
-                sample.metadata[OLD_ROUTES_KEY] = routes
-                if self.mode == "r2":
-                    sample.routed_experts = routes
 
     @contextmanager
     def training_pass(
         self, samples: Sequence[TrainSample], micro_batches: Sequence[MicroBatch], *, backward: bool
     ) -> Iterator[Optional[RoutingPass]]:
-        """A training forward (and backward): replays ``routed_experts`` under R2/R3 and, with
-        ``algo.log_routing_change``, measures the routing change (``RoutingPass.metrics``)."""
+        """A training forward (and backward): replays the old policy's routes under R2
+        (``TrainSample.old_routes``) and the rollout's under R3 (``rollout_routes``); with
+        ``algo.log_routing_change``, measures the routing change against both, where the samples
+        carry them (``RoutingPass.metrics``)."""
+        old_routes = [s.old_routes for s in samples]
+        rollout_routes = [s.rollout_routes for s in samples]
         replay = None
         if self.mode == "r2":
-            replay = self._replayed(
+            replay = self._validated(
                 samples,
+                old_routes,
                 "routing_replay=r2 replays the routes recorded by "
-                "forward_log_probs(record_routes=True) (stages.set_old_log_probs)",
+                "forward_log_probs(record_routes=True) (TrainSample.old_routes)",
             )
         elif self.mode == "r3":
-            replay = self._replayed(samples, "routing_replay=r3 replays the rollout's routes")
+            replay = self._validated(
+                samples, rollout_routes, "routing_replay=r3 replays the rollout's routes"
+            )
         old = rollout = None
         if self.measure:
-            if all(OLD_ROUTES_KEY in s.metadata for s in samples):
-                old = self._validated(
-                    samples, [s.metadata[OLD_ROUTES_KEY] for s in samples], "old-policy routes"
-                )
+            if self.mode == "r2":
+                old = replay
+            elif all(routes is not None for routes in old_routes):
+                old = self._validated(samples, old_routes, "old-policy routes")
             if self.mode == "r3":
                 rollout = replay
-            elif self.mode == "none" and all(s.routed_experts is not None for s in samples):
-                rollout = self._replayed(samples, "rollout routes")
+            elif self.mode == "none" and all(routes is not None for routes in rollout_routes):
+                rollout = self._validated(samples, rollout_routes, "rollout routes")
         if replay is None and old is None and rollout is None:
             yield None
             return

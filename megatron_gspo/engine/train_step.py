@@ -25,6 +25,7 @@ import logging
 import math
 from collections.abc import Callable, Sequence
 from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass
 from functools import partial
 from typing import Any, Optional
 
@@ -173,6 +174,17 @@ def packed_seq_params(
         max_seqlen_kv=packed.max_length,
         cp_group=cp_group,
     )
+
+
+@dataclass
+class ForwardLogProbs:
+    """What :meth:`TrainEngine.forward_log_probs` returns, the same on every rank."""
+
+    log_probs: list[torch.Tensor]
+    """Per sample ``[R]`` float32 response log-probs at the rollout temperature."""
+    routes: Optional[list[torch.Tensor]] = None
+    """Per sample ``[L - 1, M, K]`` native routes of the policy's MoE layers (the old policy's
+    routes), when the forward recorded them; None otherwise."""
 
 
 class TrainEngine:
@@ -379,17 +391,17 @@ class TrainEngine:
         *,
         reference: bool = False,
         record_routes: bool = False,
-    ) -> list[torch.Tensor]:
+    ) -> ForwardLogProbs:
         """Per-sample ``[R]`` float32 response log-probs at ``rollout.temperature`` (no grad),
         returned on every rank. Uses the same micro-batches as :meth:`train_step`, so the
         old log-probs it recomputes match the training forward bit for bit.
 
-        MoE policy forwards replay each sample's ``routed_experts`` under
+        MoE policy forwards replay each sample's ``rollout_routes`` under
         ``algo.routing_replay=r3``. ``record_routes=True`` makes this the old-policy forward:
-        every MoE layer's native top-k is recorded and stored on every rank's samples as
-        ``metadata[OLD_ROUTES_KEY]`` (``[L - 1, M, K]`` uint8/int16, CPU) and, under r2, as
-        ``routed_experts`` (replayed by the training forwards). Dense models ignore it. The
-        reference model never replays nor records.
+        every MoE layer's native top-k is recorded and returned on every rank as
+        ``ForwardLogProbs.routes`` (``[L - 1, M, K]`` uint8/int16, CPU), which the caller stores
+        as ``TrainSample.old_routes`` (R2 replays them in the training forwards). Dense models
+        record nothing. The reference model never replays nor records.
         """
         validate_samples(samples, need_old=False, need_advantages=False, need_ref=False)
         if reference and self.reference_model is None:
@@ -427,7 +439,10 @@ class TrainEngine:
         flat = flat.to(self.parallel.device)
         dist.all_reduce(flat, group=self.parallel.world_group)
         flat = flat.cpu()
-        return [flat[offsets[i] : offsets[i + 1]].clone() for i in range(len(samples))]
+        return ForwardLogProbs(
+            log_probs=[flat[offsets[i] : offsets[i + 1]].clone() for i in range(len(samples))],
+            routes=None if routing_pass is None else routing_pass.recorded,
+        )
 
     # -----------------------------------------------------------------------------------------
 

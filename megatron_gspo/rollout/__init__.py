@@ -13,7 +13,6 @@ from megatron_gspo.rollout.types import (
     SyncStats,
     derive_seed,
     expand_samples,
-    routed_experts_dtype,
     sync_weights_paused,
 )
 
@@ -25,6 +24,5 @@ __all__ = [
     "SyncStats",
     "derive_seed",
     "expand_samples",
-    "routed_experts_dtype",
     "sync_weights_paused",
 ]

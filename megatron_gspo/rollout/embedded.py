@@ -49,8 +49,8 @@ from megatron_gspo.rollout.types import (
     StableTensorStream,
     SyncStats,
     expand_samples,
-    routed_experts_dtype,
 )
+from megatron_gspo.routes import route_numpy_dtype
 
 logger = logging.getLogger(__name__)
 
@@ -133,7 +133,7 @@ class EmbeddedEngine(RolloutEngine):
         self.num_hidden_layers = self.hf_model.config.num_hidden_layers
         self.vocab_size = self.hf_model.config.vocab_size
         self.max_positions = self.hf_model.config.max_position_embeddings
-        self.route_dtype = routed_experts_dtype(max(model_config.num_experts, 1))
+        self.route_dtype = route_numpy_dtype(max(model_config.num_experts, 1))
         self._layout = HFWeightLayout(self.hf_model)
         # The router hooks stay registered for the engine's life; forwards (and so recordings)
         # are serialised by the model lock, which keeps concurrent generate calls apart.

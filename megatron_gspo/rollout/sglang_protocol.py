@@ -28,9 +28,9 @@ from megatron_gspo.rollout.types import (
     GenerateRequest,
     GenerateResult,
     RolloutEngineError,
-    routed_experts_dtype,
     sample_request_id,
 )
+from megatron_gspo.routes import route_numpy_dtype
 
 
 @dataclass(frozen=True)
@@ -90,7 +90,7 @@ def decode_routed_experts(value: Any, num_rows: int, layout: RouteLayout) -> np.
             f"routed_experts has ids in [{routes.min()}, {routes.max()}], outside "
             f"[0, {layout.num_experts})"
         )
-    return routes.astype(routed_experts_dtype(layout.num_experts))
+    return routes.astype(route_numpy_dtype(layout.num_experts))
 
 
 def sampling_params_json(request: GenerateRequest, n: int = 1) -> dict[str, Any]:

@@ -18,6 +18,8 @@ from typing import Any, Optional
 
 import numpy as np
 
+from megatron_gspo.routes import route_shape_problem
+
 FINISH_REASONS = ("stop", "length", "abort")
 PAUSE_MODES = ("abort", "in_place")
 
@@ -86,9 +88,10 @@ class GenerateResult:
 
     ``output_log_probs[j]`` is ``log_softmax(logits / T)[output_ids[j]]`` at the sampling
     temperature ``T``, before top-p/top-k truncation (SGLang semantics); ``None`` when not asked.
-    ``routed_experts`` is ``[L - 1, M, K]`` logical expert ids (uint8 when there are at most 256
-    experts, int16 otherwise): rows are the prompt tokens and every generated token except the
-    last, which is never run forward; ``None`` when not asked.
+    ``routed_experts`` is ``[L - 1, M, K]`` logical expert ids in the format of
+    :mod:`megatron_gspo.routes` (uint8 when there are at most 256 experts, int16 otherwise): rows
+    are the prompt tokens and every generated token except the last, which is never run forward;
+    ``None`` when not asked.
     """
 
     request_id: str
@@ -115,12 +118,12 @@ class GenerateResult:
                 f"{len(self.output_ids)} output tokens"
             )
         if self.routed_experts is not None:
-            expected_rows = self.prompt_length + len(self.output_ids) - 1
-            if self.routed_experts.ndim != 3 or self.routed_experts.shape[0] != expected_rows:
+            num_positions = self.prompt_length + len(self.output_ids) - 1
+            problem = route_shape_problem(self.routed_experts.shape, num_positions)
+            if problem is not None:
                 raise ValueError(
-                    f"result {self.request_id!r}: routed_experts has shape "
-                    f"{tuple(self.routed_experts.shape)}, expected [{expected_rows}, M, K] "
-                    f"(prompt {self.prompt_length} + response {len(self.output_ids)} - 1 rows)"
+                    f"result {self.request_id!r}: {problem}; prompt {self.prompt_length} + "
+                    f"response {len(self.output_ids)} tokens"
                 )
 
     @property
@@ -141,15 +144,6 @@ class SyncStats:
     @property
     def gigabytes_per_second(self) -> float:
         return self.num_bytes / 1e9 / self.seconds if self.seconds > 0 else float("inf")
-
-
-def routed_experts_dtype(num_experts: int) -> np.dtype:
-    """Smallest integer dtype that holds expert ids ``0 .. num_experts - 1`` (uint8 or int16)."""
-    if num_experts <= 256:
-        return np.dtype(np.uint8)
-    if num_experts <= 32768:
-        return np.dtype(np.int16)
-    raise ValueError(f"{num_experts} experts do not fit in int16 expert ids")
 
 
 def derive_seed(seed: int, sample_index: int) -> int:

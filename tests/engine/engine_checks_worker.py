@@ -42,7 +42,7 @@ def check_next_token_alignment_and_temperature() -> None:
     handle = chunk.decoder.final_layernorm.register_forward_hook(
         lambda module, inputs, output: captured.__setitem__("hidden", output.detach())
     )
-    (log_probs,) = engine.forward_log_probs([sample])
+    (log_probs,) = engine.forward_log_probs([sample]).log_probs
     handle.remove()
     hidden = captured["hidden"].squeeze(1).double()  # [L - 1, h]
     logits = hidden @ chunk.output_weight.detach().double().T / engine.cfg.rollout.temperature
@@ -56,8 +56,8 @@ def check_next_token_alignment_and_temperature() -> None:
 def check_packing_isolates_sequences() -> None:
     """Log-probs of samples packed together equal those of each sample alone."""
     samples = make_samples()
-    packed = _engine(micro_batch_tokens=10_000).forward_log_probs(samples)
-    alone = _engine(micro_batch_tokens=1).forward_log_probs(samples)
+    packed = _engine(micro_batch_tokens=10_000).forward_log_probs(samples).log_probs
+    alone = _engine(micro_batch_tokens=1).forward_log_probs(samples).log_probs
     error = max((a - b).abs().max().item() for a, b in zip(packed, alone))
     assert error < 1e-5, error
 
@@ -66,7 +66,7 @@ def check_recomputed_old_log_probs_give_ratio_one() -> None:
     """Old log-probs from forward_log_probs match the training forward bit for bit."""
     engine = _engine()
     samples = make_samples()
-    for sample, old in zip(samples, engine.forward_log_probs(samples)):
+    for sample, old in zip(samples, engine.forward_log_probs(samples).log_probs):
         sample.old_log_probs = old
     metrics = engine.forward_backward(samples)
     assert metrics["seq_log_ratio_abs_max"] == 0.0, metrics["seq_log_ratio_abs_max"]
@@ -132,15 +132,15 @@ def check_routing_replay_is_settable() -> None:
 def check_reference_model_is_frozen_copy() -> None:
     engine = _engine(algo__use_kl_loss=True)
     samples = make_samples()
-    policy = engine.forward_log_probs(samples)
-    reference = engine.forward_log_probs(samples, reference=True)
+    policy = engine.forward_log_probs(samples).log_probs
+    reference = engine.forward_log_probs(samples, reference=True).log_probs
     assert all(torch.equal(a, b) for a, b in zip(policy, reference))
     for sample, ref in zip(samples, reference):
         sample.ref_log_probs = ref
     metrics = engine.train_step(samples)
     assert metrics["kl"] == 0.0 and metrics["kl_loss"] == 0.0, metrics
-    moved = engine.forward_log_probs(samples)
-    still = engine.forward_log_probs(samples, reference=True)
+    moved = engine.forward_log_probs(samples).log_probs
+    still = engine.forward_log_probs(samples, reference=True).log_probs
     assert any(not torch.equal(a, b) for a, b in zip(moved, policy))
     assert all(torch.equal(a, b) for a, b in zip(still, reference))
 

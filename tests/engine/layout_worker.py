@@ -140,7 +140,7 @@ def run_case(case: str, layout: str, micro_batch_tokens: int) -> dict:
     grads = gather_full_state(engine.model, grads=True)
     metrics = engine.optimizer_step(metrics)
     weights1 = gather_full_state(engine.model)
-    log_probs = engine.forward_log_probs(samples)
+    log_probs = engine.forward_log_probs(samples).log_probs
     seconds = time.perf_counter() - start
     return dict(
         weights0=weights0,

@@ -30,16 +30,13 @@ from layout_worker import make_config, make_samples, relative_error  # noqa: E40
 from worker_launch import run_checks  # noqa: E402
 
 from megatron_gspo.engine.parallel import destroy_parallel  # noqa: E402
-from megatron_gspo.engine.routing_replay import (  # noqa: E402
-    OLD_ROUTES_KEY,
-    RoutingReplayError,
-    topk_sets_differ,
-)
+from megatron_gspo.engine.routing_replay import RoutingReplayError  # noqa: E402
 from megatron_gspo.engine.routing_replay import (  # noqa: E402
     check_never_replays as assert_reference_cannot_replay,
 )
 from megatron_gspo.engine.sharding import gather_full_state  # noqa: E402
 from megatron_gspo.engine.train_step import TrainEngine  # noqa: E402
+from megatron_gspo.routes import RouteError, topk_sets_differ  # noqa: E402
 from megatron_gspo.samples import TrainSample  # noqa: E402
 
 NUM_EXPERTS, TOPK, MOE_LAYERS = 8, 2, 4
@@ -127,14 +124,19 @@ def _perturb_routers(engine: TrainEngine, scale: float = 0.2) -> None:
 
 
 def _prepare(engine: TrainEngine, samples: list[TrainSample], record: bool = True) -> None:
-    for sample, old in zip(samples, engine.forward_log_probs(samples, record_routes=record)):
-        sample.old_log_probs = old
+    """What the old-log-prob stage does: old log-probs and the recorded routes on the samples."""
+    old = engine.forward_log_probs(samples, record_routes=record)
+    assert (old.routes is not None) == record
+    for index, (sample, log_probs) in enumerate(zip(samples, old.log_probs)):
+        sample.old_log_probs = log_probs
+        if record:
+            sample.old_routes = old.routes[index]
 
 
 def _expect_error(function, *fragments: str) -> None:
     try:
         function()
-    except (RoutingReplayError, ValueError) as error:
+    except (RoutingReplayError, RouteError, ValueError) as error:
         text = str(error)
         assert all(f in text for f in fragments), (fragments, text)
     else:
@@ -152,12 +154,12 @@ def check_recorded_routes_are_the_routes_used() -> None:
     samples = make_samples()
     with capture_routing(engine) as calls:
         _prepare(engine, samples)
-    flat = torch.cat([s.routed_experts for s in samples])
+    flat = torch.cat([s.old_routes for s in samples])
     for sample in samples:
-        routes = sample.routed_experts
+        routes = sample.old_routes
         assert routes.dtype == torch.uint8, routes.dtype
         assert routes.shape == (sample.tokens.numel() - 1, MOE_LAYERS, TOPK), routes.shape
-        assert sample.metadata[OLD_ROUTES_KEY] is routes
+        assert sample.rollout_routes is None  # R2 records beside, never over, the rollout's
     for m in range(MOE_LAYERS):
         ((used, native),) = calls[m]
         assert torch.equal(used, _as_map(flat[:, m])), m
@@ -177,7 +179,7 @@ def check_r2_replays_recorded_routes_after_router_perturbation() -> None:
     _perturb_routers(engine)
     with capture_routing(engine) as calls:
         metrics = engine.forward_backward(samples)
-    flat = torch.cat([s.routed_experts for s in samples])
+    flat = torch.cat([s.old_routes for s in samples])
     rows = _loss_rows(samples)
     changed = 0
     for m in range(MOE_LAYERS):
@@ -199,8 +201,8 @@ def check_without_replay_perturbed_router_changes_routes() -> None:
     engine = _engine("none")
     samples = make_samples()
     _prepare(engine, samples)
-    assert samples[0].routed_experts is None
-    old = torch.cat([s.metadata[OLD_ROUTES_KEY] for s in samples])
+    assert samples[0].rollout_routes is None
+    old = torch.cat([s.old_routes for s in samples])
     _perturb_routers(engine)
     with capture_routing(engine) as calls:
         metrics = engine.forward_backward(samples)
@@ -222,14 +224,14 @@ def check_r3_replay_forces_the_given_routes() -> None:
     samples = make_samples()
     routes = random_routes(samples)
     for sample, route in zip(samples, routes):
-        sample.routed_experts = route
+        sample.rollout_routes = route
     with capture_routing(engine) as calls:
         _prepare(engine, samples)
     flat = torch.cat(routes)
     for m in range(MOE_LAYERS):
         ((used, _),) = calls[m]
         assert torch.equal(used, _as_map(flat[:, m])), m
-    native = _engine("none").forward_log_probs(samples)
+    native = _engine("none").forward_log_probs(samples).log_probs
     gap = max(
         (a - b).abs().max().item() for a, b in zip(native, [s.old_log_probs for s in samples])
     )
@@ -274,16 +276,14 @@ def check_r3_log_probs_match_the_embedded_engine() -> None:
                 prompt_length=len(request.input_ids),
                 advantages=torch.tensor(1.0),
                 rollout_log_probs=torch.from_numpy(result.output_log_probs),
-                routed_experts=torch.from_numpy(result.routed_experts),
+                rollout_routes=torch.from_numpy(result.routed_experts),
             )
         )
     rollout.close()
     _prepare(engine, samples)
     gap = max((s.old_log_probs - s.rollout_log_probs).abs().max().item() for s in samples)
     assert gap < 2e-5, gap
-    moved = torch.cat(
-        [topk_sets_differ(s.metadata[OLD_ROUTES_KEY], s.routed_experts).view(-1) for s in samples]
-    )
+    moved = torch.cat([topk_sets_differ(s.old_routes, s.rollout_routes).view(-1) for s in samples])
     assert float(moved.float().mean()) < 0.01, float(moved.float().mean())
     metrics = engine.forward_backward(samples)
     assert metrics["seq_log_ratio_abs_max"] == 0.0
@@ -296,7 +296,7 @@ def check_activation_recompute_replays_in_backward() -> None:
     so gradients equal those without recompute; native routing would differ."""
     samples = make_samples()
     for sample, route in zip(samples, random_routes(samples)):
-        sample.routed_experts = route
+        sample.rollout_routes = route
     grads = {}
     for name, mode, recompute in (
         ("plain", "r3", False),
@@ -328,10 +328,10 @@ def check_reference_forward_never_replays() -> None:
     _expect_error(lambda: assert_reference_cannot_replay(engine.policy_chunks), "reference model")
     samples = make_samples()
     for sample, route in zip(samples, random_routes(samples)):
-        sample.routed_experts = route
-    reference = engine.forward_log_probs(samples, reference=True)
-    replayed = engine.forward_log_probs(samples)
-    native = _engine("none").forward_log_probs(samples)
+        sample.rollout_routes = route
+    reference = engine.forward_log_probs(samples, reference=True).log_probs
+    replayed = engine.forward_log_probs(samples).log_probs
+    native = _engine("none").forward_log_probs(samples).log_probs
     assert all(torch.equal(a, b) for a, b in zip(reference, native))
     assert any(not torch.equal(a, b) for a, b in zip(reference, replayed))
     _expect_error(
@@ -347,8 +347,8 @@ def check_missing_or_malformed_routes_are_rejected() -> None:
 
     def attempt(index: int, value) -> None:
         for sample, route in zip(samples, routes):
-            sample.routed_experts = route
-        samples[index].routed_experts = value
+            sample.rollout_routes = route
+        samples[index].rollout_routes = value
         engine.forward_log_probs(samples)
 
     _expect_error(lambda: attempt(3, None), "sample 3", "missing", "return_routed_experts")
@@ -374,7 +374,7 @@ def check_routes_not_consumed_exactly_once_raise() -> None:
     engine = _engine("r3", model__recompute_activations=True)
     samples = make_samples()
     for sample, route in zip(samples, random_routes(samples)):
-        sample.routed_experts = route
+        sample.rollout_routes = route
 
     def micro_batches():
         return engine._micro_batches(samples, with_loss_inputs=False)[1]
@@ -455,12 +455,13 @@ def run_layout(mode: str, layout: str) -> dict:
     routes = random_routes(samples)
     if mode == "r3":
         for sample, route in zip(samples, routes):
-            sample.routed_experts = route
+            sample.rollout_routes = route
     _prepare(engine, samples)
-    recorded = [s.metadata[OLD_ROUTES_KEY] for s in samples]
+    recorded = [s.old_routes for s in samples]
     log_probs = [s.old_log_probs for s in samples]
-    for sample, route in zip(samples, routes):
-        sample.routed_experts = route  # R2 replays routed_experts: make them far from native
+    if mode == "r2":
+        for sample, route in zip(samples, routes):
+            sample.old_routes = route  # R2 replays the old routes: make them far from native
     metrics = engine.forward_backward(samples)
     grads = gather_full_state(engine.model, grads=True)
     single = engine.forward_backward(samples[:1])

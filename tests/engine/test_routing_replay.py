@@ -28,16 +28,7 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 from worker_launch import run_worker, worker_command
-
-from megatron_gspo.engine.routing_replay import (
-    RoutingReplayError,
-    balanced_pad_routes,
-    check_routes,
-    route_dtype,
-    topk_sets_differ,
-)
 
 WORKER = Path(__file__).with_name("routing_replay_worker.py")
 CHECKS = [
@@ -55,49 +46,6 @@ LAUNCHES = {
     2: ["r2:ep2", "r3:cp2", "r2:pp2.vpp2.recompute"],
     4: ["r2:tp2.ep2.cp2"],
 }
-
-
-# ---------------------------------------------------------------------------------------------
-# Pure functions
-# ---------------------------------------------------------------------------------------------
-
-
-def test_balanced_pad_routes_are_distinct_and_spread_evenly():
-    for topk, experts in ((2, 8), (8, 128), (3, 7), (8, 8)):
-        pad = balanced_pad_routes(torch.arange(1000), topk, experts)
-        assert pad.shape == (1000, topk)
-        assert not topk_sets_differ(pad.sort(-1).values, pad).any()
-        assert all(len(set(row)) == topk for row in pad.tolist())  # no duplicate in a row
-        counts = torch.bincount(pad.view(-1), minlength=experts)
-        assert int(counts.max() - counts.min()) <= topk, counts  # no hot expert
-
-
-def test_topk_sets_differ_ignores_column_order():
-    first = torch.tensor([[1, 2], [3, 4], [0, 5]])
-    second = torch.tensor([[2, 1], [3, 5], [5, 0]], dtype=torch.uint8)
-    assert topk_sets_differ(first, second).tolist() == [False, True, False]
-
-
-def test_route_dtype():
-    assert route_dtype(8) == torch.uint8 and route_dtype(256) == torch.uint8
-    assert route_dtype(257) == torch.int16
-
-
-def test_check_routes_names_the_problem():
-    good = torch.tensor([[[0, 1]], [[2, 3]]], dtype=torch.uint8)
-    kwargs = dict(where="sample 7 (group 1)", num_moe_layers=1, topk=2, num_experts=4, source="x")
-    assert check_routes(good, num_positions=2, **kwargs) is good
-    cases = [
-        (None, 2, "missing"),
-        (good, 3, "shape"),
-        (good.float(), 2, "integer"),
-        (good + 2, 2, "outside"),
-        (torch.tensor([[[1, 1]], [[2, 3]]]), 2, "repeat"),
-    ]
-    for routes, positions, fragment in cases:
-        with pytest.raises(RoutingReplayError, match=fragment) as error:
-            check_routes(routes, num_positions=positions, **kwargs)
-        assert "sample 7 (group 1)" in str(error.value)
 
 
 # ---------------------------------------------------------------------------------------------

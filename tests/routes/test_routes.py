@@ -1,0 +1,82 @@
+"""The route format shared by the rollout and the training engine (``megatron_gspo/routes.py``)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from megatron_gspo.rollout import GenerateResult
+from megatron_gspo.routes import (
+    RouteError,
+    balanced_pad_routes,
+    check_routes,
+    route_dtype,
+    route_numpy_dtype,
+    route_shape_problem,
+    topk_sets_differ,
+)
+
+
+def test_balanced_pad_routes_are_distinct_and_spread_evenly():
+    for topk, experts in ((2, 8), (8, 128), (3, 7), (8, 8)):
+        pad = balanced_pad_routes(torch.arange(1000), topk, experts)
+        assert pad.shape == (1000, topk)
+        assert not topk_sets_differ(pad.sort(-1).values, pad).any()
+        assert all(len(set(row)) == topk for row in pad.tolist())  # no duplicate in a row
+        counts = torch.bincount(pad.view(-1), minlength=experts)
+        assert int(counts.max() - counts.min()) <= topk, counts  # no hot expert
+
+
+def test_topk_sets_differ_ignores_column_order():
+    first = torch.tensor([[1, 2], [3, 4], [0, 5]])
+    second = torch.tensor([[2, 1], [3, 5], [5, 0]], dtype=torch.uint8)
+    assert topk_sets_differ(first, second).tolist() == [False, True, False]
+
+
+def test_route_dtype():
+    assert route_dtype(8) == torch.uint8 and route_dtype(256) == torch.uint8
+    assert route_dtype(257) == torch.int16
+    assert route_numpy_dtype(256) == np.uint8 and route_numpy_dtype(257) == np.int16
+    for experts in (1, 256, 257, 32768):
+        stored = torch.from_numpy(np.zeros(1, dtype=route_numpy_dtype(experts)))
+        assert stored.dtype == route_dtype(experts)  # the engines' numpy routes convert exactly
+    with pytest.raises(ValueError, match="int16"):
+        route_dtype(32769)
+
+
+def test_check_routes_names_the_problem():
+    good = torch.tensor([[[0, 1]], [[2, 3]]], dtype=torch.uint8)
+    kwargs = dict(where="sample 7 (group 1)", num_moe_layers=1, topk=2, num_experts=4, source="x")
+    assert check_routes(good, num_positions=2, **kwargs) is good
+    cases = [
+        (None, 2, "missing"),
+        (good, 3, "shape"),
+        (good.float(), 2, "integer"),
+        (good + 2, 2, "outside"),
+        (torch.tensor([[[1, 1]], [[2, 3]]]), 2, "repeat"),
+    ]
+    for routes, positions, fragment in cases:
+        with pytest.raises(RouteError, match=fragment) as error:
+            check_routes(routes, num_positions=positions, **kwargs)
+        assert "sample 7 (group 1)" in str(error.value)
+
+
+def test_route_shape_rule_is_the_rollout_results():
+    """A rollout result's routes follow the same ``[L - 1, M, K]`` rule, M and K free."""
+    assert route_shape_problem((4, 3, 2), 4) is None
+    assert route_shape_problem((4, 3, 2), 4, num_moe_layers=3, topk=2) is None
+    assert "expected [4, 2, 2]" in route_shape_problem((4, 3, 2), 4, num_moe_layers=2, topk=2)
+    assert "L - 1" in route_shape_problem((5, 3, 2), 4)
+    assert route_shape_problem((4, 3), 4) is not None
+    result = dict(
+        request_id="r",
+        output_ids=[5, 6],
+        output_log_probs=None,
+        finish_reason="stop",
+        prompt_length=3,
+        weight_version=0,
+    )
+    GenerateResult(**result, routed_experts=np.zeros((4, 3, 2), dtype=np.uint8))
+    with pytest.raises(ValueError, match=r"expected \[4, M, K\]"):
+        GenerateResult(**result, routed_experts=np.zeros((5, 3, 2), dtype=np.uint8))
