@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import shlex
 import sys
 import threading
 import time
@@ -116,7 +117,35 @@ def main(argv: list[str] | None = None) -> int:
         # checkpoint's shapes) is still a configuration error: same message, same exit code.
         print(f"[rank{rank}] {error}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        if rank == 0:
+            print(f"\n{interrupted_message(config, args)}", file=sys.stderr)
+        return 130  # 128 + SIGINT, the shell's code for an interrupted command
     return 0
+
+
+def interrupted_message(config, args: argparse.Namespace) -> str:
+    """What to do after Ctrl-C: the command that resumes the run, or why there is none."""
+    checkpoints = os.path.join(config.output_dir, "checkpoints")
+    saved = sorted(
+        name
+        for name in (os.listdir(checkpoints) if os.path.isdir(checkpoints) else [])
+        if os.path.isfile(os.path.join(checkpoints, name, "checkpoint.json"))
+    )
+    if not saved:
+        return (
+            f"interrupted before any checkpoint was saved (checkpoint.interval="
+            f"{config.checkpoint.interval}), so the run cannot be resumed; start it again with "
+            "overwrite_output_dir=true, and set checkpoint.interval=N to make it resumable"
+        )
+    words = [word for word in args.overrides if not word.startswith("resume=")]
+    if args.preset:
+        words = ["--preset", args.preset, *words]
+    command = shlex.join(["python", "-m", "megatron_gspo.train", *words, "resume=true"])
+    return (
+        f"interrupted; the latest checkpoint is {os.path.join(checkpoints, saved[-1])}. Resume "
+        f"with:\n  {command}\n(under torchrun: the same torchrun command with resume=true)"
+    )
 
 
 if __name__ == "__main__":

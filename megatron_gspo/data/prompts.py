@@ -104,24 +104,63 @@ class PromptDataset:
 def read_prompt_rows(
     path: Union[str, Path], *, prompt_key: str = "prompt", answer_key: str = "answer"
 ) -> Iterator[PromptRow]:
-    """Validated rows of a ``.jsonl`` / ``.json`` (one object per line) or ``.parquet`` file."""
-    path = Path(path)
+    """Validated rows of a ``.jsonl`` / ``.json`` (one object per line) or ``.parquet`` file;
+    the first malformed row raises :class:`PromptFileError`."""
+    for row in _rows_or_problems(Path(path), prompt_key, answer_key):
+        if isinstance(row, PromptFileError):
+            raise row
+        yield row
+
+
+def check_prompt_file(
+    path: Union[str, Path],
+    *,
+    prompt_key: str = "prompt",
+    answer_key: str = "answer",
+    max_listed: int = 10,
+) -> list[str]:
+    """Every problem of a prompt file, without tokenizing it: an unreadable file, or each
+    malformed row (file and line or row). At most ``max_listed`` rows are listed, then a count of
+    the others. An empty list means every row is well formed."""
+    problems: list[str] = []
+    num_bad = num_rows = 0
+    for row in _rows_or_problems(Path(path), prompt_key, answer_key):
+        num_rows += 1
+        if isinstance(row, PromptFileError):
+            num_bad += 1
+            if num_bad <= max_listed:
+                problems.append(str(row))
+    if num_bad > max_listed:
+        problems.append(f"{path}: ... and {num_bad - max_listed} more malformed rows")
+    if num_rows == 0 and not problems:
+        problems.append(f"{path}: the file holds no rows")
+    return problems
+
+
+def _rows_or_problems(
+    path: Path, prompt_key: str, answer_key: str
+) -> Iterator[Union[PromptRow, PromptFileError]]:
+    """Each row of the file, validated, or the :class:`PromptFileError` that describes it; a
+    file that cannot be read at all yields one error and ends."""
     if not path.is_file():
-        raise PromptFileError(
+        yield PromptFileError(
             f"{path}: no such file (set data.train_path / data.eval_path to a JSONL or Parquet file)"
         )
+        return
     suffix = path.suffix.lower()
     if suffix in (".jsonl", ".json"):
         yield from _read_jsonl(path, prompt_key, answer_key)
     elif suffix in (".parquet", ".pq"):
         yield from _read_parquet(path, prompt_key, answer_key)
     else:
-        raise PromptFileError(
+        yield PromptFileError(
             f"{path}: unknown format {suffix!r} (prompt files are .jsonl or .parquet)"
         )
 
 
-def _read_jsonl(path: Path, prompt_key: str, answer_key: str) -> Iterator[PromptRow]:
+def _read_jsonl(
+    path: Path, prompt_key: str, answer_key: str
+) -> Iterator[Union[PromptRow, PromptFileError]]:
     # Binary lines, decoded one by one, so that a decoding error names its own line.
     with path.open("rb") as handle:
         for line_number, raw_line in enumerate(handle, start=1):
@@ -129,37 +168,52 @@ def _read_jsonl(path: Path, prompt_key: str, answer_key: str) -> Iterator[Prompt
             try:
                 line = raw_line.decode("utf-8")
             except UnicodeDecodeError as error:
-                raise PromptFileError(f"{where}: not UTF-8 text ({error})") from error
+                yield PromptFileError(f"{where}: not UTF-8 text ({error})")
+                continue
             if not line.strip():
                 continue
             try:
                 record = json.loads(line)
             except json.JSONDecodeError as error:
-                raise PromptFileError(
+                yield PromptFileError(
                     f"{where}: invalid JSON ({error.msg} at column {error.colno}); each line must "
                     "be one JSON object"
-                ) from error
-            yield _validate_row(record, where, prompt_key, answer_key)
+                )
+                continue
+            yield _row_or_problem(record, where, prompt_key, answer_key)
 
 
-def _read_parquet(path: Path, prompt_key: str, answer_key: str) -> Iterator[PromptRow]:
+def _read_parquet(
+    path: Path, prompt_key: str, answer_key: str
+) -> Iterator[Union[PromptRow, PromptFileError]]:
     import pyarrow.parquet as parquet
 
     try:
         parquet_file = parquet.ParquetFile(path)
     except Exception as error:  # pyarrow raises ArrowInvalid, OSError, ... for unreadable files
-        raise PromptFileError(f"{path}: not a readable Parquet file ({error})") from error
+        yield PromptFileError(f"{path}: not a readable Parquet file ({error})")
+        return
     columns = parquet_file.schema_arrow.names
     if prompt_key not in columns:
-        raise PromptFileError(
+        yield PromptFileError(
             f"{path}: every row lacks the prompt column {prompt_key!r} (columns: "
             f"{', '.join(columns)}); set data.prompt_key to the prompt column"
         )
+        return
     row_number = 0
     for batch in parquet_file.iter_batches(batch_size=1024):
         for record in batch.to_pylist():
-            yield _validate_row(record, f"{path}:row {row_number}", prompt_key, answer_key)
+            yield _row_or_problem(record, f"{path}:row {row_number}", prompt_key, answer_key)
             row_number += 1
+
+
+def _row_or_problem(
+    record: Any, where: str, prompt_key: str, answer_key: str
+) -> Union[PromptRow, PromptFileError]:
+    try:
+        return _validate_row(record, where, prompt_key, answer_key)
+    except PromptFileError as error:
+        return error
 
 
 def _validate_row(record: Any, where: str, prompt_key: str, answer_key: str) -> PromptRow:

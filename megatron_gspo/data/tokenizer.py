@@ -130,6 +130,14 @@ def build_tokenizer(data: DataConfig, model: ModelConfig) -> PreTrainedTokenizer
     """The tokenizer for a run: the synthetic one when ``data.train_path`` is null, otherwise the
     Hugging Face tokenizer in ``data.tokenizer_path`` (or ``model.hf_path``). Checks that every token
     id fits in ``model.vocab_size``."""
+    tokenizer, source = load_tokenizer(data, model)
+    logger.info("tokenizer: %s, %d tokens", source, len(tokenizer))
+    return tokenizer
+
+
+def load_tokenizer(data: DataConfig, model: ModelConfig) -> tuple[PreTrainedTokenizerBase, str]:
+    """:func:`build_tokenizer` without the log line (the start-up checks call it too), and where
+    the tokenizer came from."""
     if data.train_path is None:
         if data.tokenizer_path is not None:
             raise ConfigError(
@@ -169,5 +177,4 @@ def build_tokenizer(data: DataConfig, model: ModelConfig) -> PreTrainedTokenizer
             "every token id needs a row in the embedding",
             f"set model.vocab_size >= {len(tokenizer)}",
         )
-    logger.info("tokenizer: %s, %d tokens", source, len(tokenizer))
-    return tokenizer
+    return tokenizer, source

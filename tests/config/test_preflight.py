@@ -49,3 +49,100 @@ def test_resume_never_deletes(tmp_path):
         TrainConfig(output_dir=str(tmp_path), resume=True, overwrite_output_dir=True)
     )
     assert (tmp_path / "checkpoints" / "step_000002").is_dir()
+
+
+def loopback_server(status: int = 200):
+    """A real HTTP server on 127.0.0.1 that answers every GET with ``status``."""
+    import http.server
+    import threading
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 - the stdlib's name
+            self.send_response(status)
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server
+
+
+def closed_port() -> int:
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]  # nothing listens once the socket is closed
+
+
+def test_every_problem_is_reported_at_once(tmp_path):
+    from megatron_gspo.config_loader import load_config
+
+    data = tmp_path / "prompts.jsonl"
+    data.write_text('{"prompt": "ok"}\n{"prompt": "ok"\n{"text": "no prompt"}\n')
+    config = load_config(
+        None,
+        [
+            f"output_dir={tmp_path / 'out'}",
+            f"data.train_path={data}",
+            f"data.tokenizer_path={tmp_path / 'no_tokenizer'}",
+            "reward.functions=[my_missing_package.rewards:score]",
+            "rollout.engine=sglang",
+            f"rollout.sglang_urls=[http://127.0.0.1:{closed_port()}]",
+            f"checkpoint.load_path={tmp_path / 'no_checkpoint'}",
+        ],
+    )
+    with pytest.raises(StartupErrors) as caught:
+        check_before_start(config)
+    errors = caught.value.errors
+    assert [error.key for error in errors] == [
+        "checkpoint.load_path",
+        "data.train_path",
+        "data.tokenizer_path",
+        "reward.functions['my_missing_package.rewards:score']",
+        "rollout.sglang_urls",
+    ]
+    message = str(caught.value)
+    assert message.startswith("5 problems found before start")
+    assert f"{data}:2: invalid JSON" in message and f"{data}:3: no prompt" in message
+    assert "my_missing_package" in message and "does not answer" in message
+
+
+def test_servers_that_answer_and_a_synthetic_vocab_that_fits(tmp_path):
+    healthy, refusing = loopback_server(200), loopback_server(401)
+    try:
+        config = TrainConfig(output_dir=str(tmp_path))
+        config.rollout.engine = "sglang"
+        config.rollout.sglang_urls = [
+            f"http://127.0.0.1:{healthy.server_port}",
+            f"http://127.0.0.1:{refusing.server_port}/",  # it answers: the key is checked later
+        ]
+        check_before_start(config)
+    finally:
+        healthy.shutdown()
+        refusing.shutdown()
+
+
+def test_vocab_too_small_for_the_tokenizer(tmp_path):
+    from megatron_gspo.config import ModelConfig
+
+    config = TrainConfig(output_dir=str(tmp_path), model=ModelConfig(vocab_size=12))
+    with pytest.raises(StartupErrors) as caught:
+        check_before_start(config)
+    assert [error.key for error in caught.value.errors] == ["model.vocab_size"]
+
+
+def test_launching_sglang_needs_a_model_directory_and_sglang(tmp_path):
+    import importlib.util
+
+    config = TrainConfig(output_dir=str(tmp_path))
+    config.rollout.engine, config.rollout.sglang_launch = "sglang", True
+    with pytest.raises(StartupErrors) as caught:
+        check_before_start(config)
+    keys = [error.key for error in caught.value.errors]
+    expected = ["model.hf_path"]
+    if importlib.util.find_spec("sglang") is None:
+        expected.append("rollout.sglang_launch")
+    assert keys == expected

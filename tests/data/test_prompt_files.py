@@ -196,3 +196,41 @@ def test_unreadable_files(tokenizer, tmp_path):
     with pytest.raises(PromptFileError, match="holds no rows"):
         write_jsonl(tmp_path / "empty.jsonl", [""])
         load_prompt_dataset(tmp_path / "empty.jsonl", tokenizer, max_prompt_length=64)
+
+
+def test_check_lists_every_malformed_row(tmp_path):
+    from megatron_gspo.data.prompts import check_prompt_file
+
+    path = write_jsonl(
+        tmp_path / "bad.jsonl",
+        [
+            '{"prompt": "fine", "answer": "1"}',
+            '{"prompt": "no closing brace"',
+            '{"question": "wrong key"}',
+            '{"prompt": "fine again"}',
+            '{"prompt": 7}',
+        ],
+    )
+    problems = check_prompt_file(path)
+    assert [problem.split(": ")[0] for problem in problems] == [
+        f"{path}:2",
+        f"{path}:3",
+        f"{path}:5",
+    ]
+    assert "invalid JSON" in problems[0] and "'question'" in problems[1] and "int" in problems[2]
+    assert check_prompt_file(FIXTURE) == []
+
+
+def test_check_caps_the_listed_rows_and_reports_unreadable_files(tmp_path):
+    from megatron_gspo.data.prompts import check_prompt_file
+
+    path = write_jsonl(tmp_path / "bad.jsonl", ['{"x": 1}'] * 15)
+    problems = check_prompt_file(path, max_listed=10)
+    assert len(problems) == 11 and problems[-1].endswith("and 5 more malformed rows")
+    (missing,) = check_prompt_file(tmp_path / "missing.jsonl")
+    assert "no such file" in missing
+    (empty,) = check_prompt_file(write_jsonl(tmp_path / "empty.jsonl", [""]))
+    assert "holds no rows" in empty
+    parquet = write_parquet(tmp_path / "bad.parquet", [{"prompt": "a"}, {"prompt": ""}])
+    (row,) = check_prompt_file(parquet)
+    assert row.startswith(f"{parquet}:row 1: ")

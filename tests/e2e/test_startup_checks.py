@@ -15,3 +15,42 @@ def test_fresh_run_into_a_finished_run_is_refused(gspo_run):
     assert "config error at 'output_dir'" in log and "resume=true" in log, log[-3000:]
     assert "Traceback" not in log
     assert (output_dir / "metrics.jsonl").read_bytes() == metrics_before
+
+
+def test_all_problems_reported_before_the_model_is_built(tmp_path):
+    data = tmp_path / "prompts.jsonl"
+    data.write_text('{"prompt": "ok", "answer": "1"}\n{"prompt": ""}\n')
+    overrides = [
+        f"data.train_path={data}",
+        f"data.tokenizer_path={tmp_path / 'missing_tokenizer'}",
+        "reward.functions=[no_such_module:score]",
+        f"output_dir={tmp_path / 'out'}",
+    ]
+    launch = start(train_command(overrides), tmp_path / "out")
+    assert launch.wait(timeout=120) == 2, launch.log[-3000:]
+    log = launch.log
+    assert "3 problems found before start" in log, log[-3000:]
+    assert f"{data}:2: the prompt 'prompt' is empty" in log
+    assert "missing_tokenizer" in log and "no_such_module" in log
+    assert "parallel layout" not in log  # megatron_gspo.engine.parallel: the model was not built
+    assert "Traceback" not in log
+
+
+def test_ctrl_c_prints_how_to_resume(tmp_path):
+    import signal
+
+    from .harness import wait_for_step
+
+    output_dir = tmp_path / "out"
+    overrides = ["steps=50", *TINY, "checkpoint.interval=1", f"output_dir={output_dir}"]
+    launch = start(train_command(overrides), output_dir)
+    try:
+        wait_for_step([launch], output_dir, 0, timeout=240)
+        launch.process.send_signal(signal.SIGINT)
+        assert launch.wait(timeout=60) == 130, launch.log[-3000:]
+    finally:
+        launch.kill()
+    log = launch.log
+    assert "Resume with:" in log and "resume=true" in log, log[-3000:]
+    assert f"output_dir={output_dir}" in log.split("Resume with:")[1]
+    assert "Traceback" not in log
