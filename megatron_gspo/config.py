@@ -750,6 +750,10 @@ class RewardConfig:
     its worker (which is then replaced); thread: workers are threads of the trainer (no start-up
     cost, breakpoint() works), but a timed-out call cannot be stopped and runs on in the
     background."""
+    max_failed_steps: int = 3
+    """A reward function that fails (raises, times out, returns no finite number) on every sample
+    of this many batches in a row (training steps or evaluations) stops the run: its scores
+    would all be failure_reward, which carries no signal. 0 never stops."""
     options: dict[str, dict[str, Any]] = field(default_factory=dict)
     """Keyword options per function, keyed like ``functions``, e.g.
     ``{format: {pattern: '^<answer>.*</answer>$'}, code: {timeout_s: 5}}``; the options each
@@ -792,6 +796,7 @@ class RewardConfig:
                 "give one weight per function, or none",
             )
         _check_positive("reward.timeout_s", self.timeout_s)
+        _check_positive("reward.max_failed_steps", self.max_failed_steps, allow_zero=True)
         _check_positive("reward.num_workers", self.num_workers)
 
 
@@ -948,6 +953,14 @@ class TrainConfig:
                 f"routing replay {algo.routing_replay!r} on the dense {model.architecture!r}",
                 "routing replay fixes the expert choice of MoE layers",
                 "set algo.routing_replay=none",
+            )
+        if self.data.train_path is not None and "synthetic" in self.reward.functions:
+            _warn(
+                "reward.functions",
+                f"the synthetic digit reward (the CPU demo's) scores your prompt file "
+                f"{self.data.train_path}: it compares response tokens with answer digits, which "
+                "means nothing for other data; set reward.functions to a reward for your task, "
+                "e.g. [math], [exact_match] or [my_package.rewards:score]",
             )
         if algo.routing_replay == "r3" and self.rollout.engine == "sglang":
             _warn(

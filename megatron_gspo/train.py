@@ -28,6 +28,8 @@ import yaml
 
 from megatron_gspo.config import ConfigError, to_dict
 from megatron_gspo.config_loader import load_config, overrides_from_env
+from megatron_gspo.health import EXIT_CODE as STOPPED_EXIT_CODE
+from megatron_gspo.health import RunStopped
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -117,6 +119,11 @@ def main(argv: list[str] | None = None) -> int:
         # checkpoint's shapes) is still a configuration error: same message, same exit code.
         print(f"[rank{rank}] {error}", file=sys.stderr)
         return 2
+    except RunStopped as error:
+        # A guard (megatron_gspo.health) found that the run can no longer learn: its message
+        # says why and what to do; a traceback would only bury it.
+        print(f"[rank{rank}] {error}", file=sys.stderr)
+        return STOPPED_EXIT_CODE
     except KeyboardInterrupt:
         if rank == 0:
             print(f"\n{interrupted_message(config, args)}", file=sys.stderr)

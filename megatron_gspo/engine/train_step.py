@@ -65,12 +65,13 @@ from megatron_gspo.engine.packing import padding_multiple
 from megatron_gspo.engine.parallel import ParallelState, initialize_parallel
 from megatron_gspo.engine.routing_replay import PolicyRouting, RoutingPass, check_never_replays
 from megatron_gspo.engine.sharding import initialize_weights_from_seed
+from megatron_gspo.health import RunStopped
 from megatron_gspo.samples import TrainSample
 
 logger = logging.getLogger(__name__)
 
 
-class NonFiniteStepsError(RuntimeError):
+class NonFiniteStepsError(RunStopped):
     """Too many consecutive optimizer steps had a non-finite loss or gradient norm."""
 
 
@@ -572,9 +573,11 @@ class TrainEngine:
         if self.consecutive_skips >= self.cfg.optim.max_consecutive_skips:
             raise NonFiniteStepsError(
                 f"{self.consecutive_skips} consecutive optimizer steps had a non-finite loss or "
-                f"gradient norm (last: loss={metrics['loss']}, grad_norm={grad_norm}); the "
-                "weights are those of the last good step. Lower optim.lr, check the rewards and "
-                "advantages for inf/NaN, or raise optim.max_consecutive_skips"
+                f"gradient norm (last: loss={metrics['loss']}, grad_norm={grad_norm})",
+                "each was skipped, so the weights are those of the last good step, and the "
+                "next steps would most likely be skipped as well",
+                "lower optim.lr, check the rewards and advantages for inf/NaN, or raise "
+                "optim.max_consecutive_skips",
             )
         return metrics
 

@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from megatron_gspo.config import ConfigError, RewardConfig
+from megatron_gspo.health import RunStopped
 from megatron_gspo.reward.functions import RewardInput, load_reward_function, reward_specs
 from megatron_gspo.reward.pool import ProcessPool, ThreadPool
 
@@ -24,6 +25,11 @@ logger = logging.getLogger(__name__)
 
 MAX_LOGGED_FAILURES = 20
 """Failures logged one by one per batch; the rest are summarised in one line."""
+
+
+class RewardsFailedError(RunStopped):
+    """A reward function failed on every sample of ``reward.max_failed_steps`` batches in a
+    row."""
 
 
 @dataclass(frozen=True)
@@ -46,7 +52,8 @@ class RewardResult:
     failures: list[RewardFailure] = field(default_factory=list)
     metrics: dict[str, float] = field(default_factory=dict)
     """``reward_mean/std/min/max`` (of ``rewards``), ``reward_<function>_mean``,
-    ``reward_errors``, ``reward_timeouts`` (call counts), ``reward_seconds`` (wall clock)."""
+    ``reward_errors``, ``reward_timeouts`` (call counts), ``reward_functions_all_failed``
+    (functions that failed on every sample), ``reward_seconds`` (wall clock)."""
 
 
 class RewardRunner:
@@ -59,6 +66,8 @@ class RewardRunner:
 
     def __init__(self, config: RewardConfig):
         self.config = config
+        self.consecutive_failed_batches = 0
+        """Batches in a row in which some function failed on every sample."""
         self.specs = reward_specs(config.functions, config.weights, config.options)
         names = [spec.metric_name for spec in self.specs]
         duplicates = sorted({name for name in names if names.count(name) > 1})
@@ -113,7 +122,41 @@ class RewardRunner:
         self._log_failures(failures, len(samples))
         metrics = _metrics(rewards, scores, failures)
         metrics["reward_seconds"] = time.monotonic() - start
+        all_failed = self._functions_that_failed_everywhere(failures, len(samples))
+        metrics["reward_functions_all_failed"] = float(len(all_failed))
+        self._stop_if_failing(all_failed, failures)
         return RewardResult(rewards=rewards, scores=scores, failures=failures, metrics=metrics)
+
+    def _functions_that_failed_everywhere(
+        self, failures: list[RewardFailure], num_samples: int
+    ) -> list[str]:
+        if num_samples == 0:
+            return []
+        failed_samples: dict[str, set[int]] = {}
+        for failure in failures:
+            failed_samples.setdefault(failure.function, set()).add(failure.sample_index)
+        return [
+            spec.name
+            for spec in self.specs
+            if len(failed_samples.get(spec.name, ())) == num_samples
+        ]
+
+    def _stop_if_failing(self, all_failed: list[str], failures: list[RewardFailure]) -> None:
+        self.consecutive_failed_batches = self.consecutive_failed_batches + 1 if all_failed else 0
+        limit = self.config.max_failed_steps
+        if not limit or self.consecutive_failed_batches < limit:
+            return
+        last = next(failure for failure in failures if failure.function == all_failed[0])
+        raise RewardsFailedError(
+            f"reward {', '.join(map(repr, all_failed))} failed on every sample of "
+            f"{self.consecutive_failed_batches} batches in a row (last: {last.kind}: "
+            f"{last.message})",
+            f"every sample scores reward.failure_reward={self.config.failure_reward:g}, so the "
+            "advantages carry no signal and the policy would train on noise",
+            "fix the function (its failures are logged above; a prompt file needs a reward "
+            "that fits its answers, e.g. reward.functions=[math]), or raise "
+            "reward.max_failed_steps (0 never stops)",
+        )
 
     def _log_failures(self, failures: list[RewardFailure], num_samples: int) -> None:
         for failure in failures[:MAX_LOGGED_FAILURES]:

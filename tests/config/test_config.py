@@ -286,3 +286,13 @@ def test_algo_settings_translate_the_keys_once():
     assert (advantages.whiten, advantages.advantage_clip) == (True, 2.0)
     with pytest.raises(dataclasses.FrozenInstanceError):
         loss.kl_coef = 1.0
+
+
+def test_prompt_file_with_the_synthetic_reward_warns(tmp_path):
+    """The demo's digit reward on the user's own prompts scores nothing meaningful."""
+    with pytest.warns(ConfigWarning, match="synthetic digit reward"):
+        load_config(None, [f"data.train_path={tmp_path / 'prompts.jsonl'}"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ConfigWarning)
+        load_config(None, [f"data.train_path={tmp_path / 'p.jsonl'}", "reward.functions=[math]"])
+        load_config(None, [])  # the demo: synthetic prompts, synthetic reward

@@ -204,3 +204,41 @@ def test_workers_exit_when_the_trainer_dies(tmp_path):
         for pid in worker_pids:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
+
+
+def test_a_function_failing_everywhere_stops_after_max_failed_steps():
+    """Raising (or returning NaN) on every sample, batch after batch, stops the run; a batch in
+    which the function works on some sample starts the count again."""
+    from megatron_gspo.reward.runner import RewardsFailedError
+
+    failing = [sample(**{"raise": True}) for _ in range(4)]
+    config = RewardConfig(functions=[user("raise_if_asked")], executor="thread", max_failed_steps=3)
+    with RewardRunner(config) as runner:
+        assert runner.score(failing).metrics["reward_functions_all_failed"] == 1.0
+        runner.score([sample(**{"raise": False}), *failing[1:]])  # works once: count restarts
+        assert runner.consecutive_failed_batches == 0
+        runner.score(failing)
+        runner.score(failing)
+        with pytest.raises(RewardsFailedError) as stopped:
+            runner.score(failing)
+    message = str(stopped.value)
+    assert message.startswith("run stopped: reward")
+    assert "3 batches in a row" in message and "asked to fail" in message
+    assert "reward.max_failed_steps" in message
+
+    config = RewardConfig(
+        functions=["synthetic", user("bad_value_if_asked")],
+        executor="thread",
+        max_failed_steps=1,
+    )
+    nan = [RewardInput(prompt="1<sep>", response="1", answer="1", metadata={"value": float("nan")})]
+    with RewardRunner(config) as runner, pytest.raises(RewardsFailedError, match="returned nan"):
+        runner.score(nan)
+
+
+def test_max_failed_steps_zero_never_stops():
+    config = RewardConfig(functions=[user("raise_if_asked")], executor="thread", max_failed_steps=0)
+    with RewardRunner(config) as runner:
+        for _ in range(5):
+            result = runner.score([sample(**{"raise": True})])
+    assert result.metrics["reward_functions_all_failed"] == 1.0
