@@ -341,10 +341,10 @@ def save_checkpoint(engine, cfg: TrainConfig, run_state: dict) -> str:
 
 
 def resume_checkpoint(engine, cfg: TrainConfig) -> Optional[dict]:
-    """The run state of the latest complete checkpoint in ``output_dir`` (None: start fresh)."""
-    from megatron_gspo.engine.checkpoint import latest_checkpoint, load_checkpoint
+    """The run state of the latest whole checkpoint in ``output_dir`` (None: start fresh)."""
+    from megatron_gspo.engine.checkpoint import load_checkpoint, resumable_checkpoint
 
-    path = latest_checkpoint(checkpoint_root(cfg))
+    path = resumable_checkpoint(checkpoint_root(cfg))  # a damaged newest one: the one before
     if path is None:
         logger.warning(
             "resume=true but %s holds no checkpoint: starting fresh", checkpoint_root(cfg)

@@ -109,6 +109,7 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         prepare_output_dir(config)
 
+    from megatron_gspo.engine.optimizer_state import CheckpointError
     from megatron_gspo.loop import run
 
     exit_with_agent(rank)
@@ -119,6 +120,10 @@ def main(argv: list[str] | None = None) -> int:
         # checkpoint's shapes) is still a configuration error: same message, same exit code.
         print(f"[rank{rank}] {error}", file=sys.stderr)
         return 2
+    except CheckpointError as error:
+        # Its message names the checkpoint and what to do; the traceback is PyTorch's reader.
+        print(f"[rank{rank}] checkpoint error: {error}", file=sys.stderr)
+        return 1
     except RunStopped as error:
         # A guard (megatron_gspo.health) found that the run can no longer learn: its message
         # says why and what to do; a traceback would only bury it.

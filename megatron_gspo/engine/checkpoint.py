@@ -37,6 +37,7 @@ import re
 import shutil
 import time
 import uuid
+import zipfile
 from collections.abc import Sequence
 from typing import Any, Optional
 
@@ -119,6 +120,92 @@ def latest_checkpoint(root_dir: str) -> Optional[str]:
             "%s/latest names %r, which is not complete; using the newest", root_dir, name
         )
     return complete[-1][1]
+
+
+def damaged_files(path: str) -> list[str]:
+    """What is missing or cut short in the checkpoint directory ``path`` (empty when it looks
+    whole), one line per file.
+
+    A save that completed can still be damaged afterwards: a full disk or quota while copying it,
+    a file truncated by a crashed sync. Loading such a checkpoint fails deep inside PyTorch's
+    reader (a bare ``EOFError``), so its files are checked first, without reading the tensors:
+    every shard file (``*.distcp``) must be as long as the byte ranges the index (``.metadata``)
+    assigns to it, ``common.pt`` must be a complete torch (zip) file and the JSON files must
+    parse.
+    """
+    from torch.distributed.checkpoint import FileSystemReader
+
+    problems = []
+    try:
+        index = FileSystemReader(path).read_metadata()
+    except Exception as error:  # truncated or missing: pickle, EOF, OS errors
+        return [f"{os.path.join(path, '.metadata')}: unreadable ({type(error).__name__}: {error})"]
+    needed: dict[str, int] = {}
+    for item in index.storage_data.values():
+        needed[item.relative_path] = max(
+            needed.get(item.relative_path, 0), item.offset + item.length
+        )
+    for name, size in sorted(needed.items()):
+        file = os.path.join(path, name)
+        if not os.path.isfile(file):
+            problems.append(f"{file}: missing")
+        elif os.path.getsize(file) < size:
+            problems.append(
+                f"{file}: {os.path.getsize(file)} bytes, the index needs {size} (truncated)"
+            )
+    common = os.path.join(path, "common.pt")
+    if os.path.exists(common) and not zipfile.is_zipfile(common):
+        problems.append(f"{common}: not a complete torch file (truncated)")
+    for name in (MARKER, "metadata.json"):
+        file = os.path.join(path, name)
+        try:
+            with open(file) as handle:
+                json.load(handle)
+        except (OSError, ValueError) as error:
+            problems.append(f"{file}: unreadable ({type(error).__name__}: {error})")
+    return problems
+
+
+def resumable_checkpoint(root_dir: str) -> Optional[str]:
+    """The checkpoint a resume loads: :func:`latest_checkpoint`, or, when its files are damaged
+    (:func:`damaged_files`), the newest older complete one that is whole, with a warning that
+    names the damaged files. None when ``root_dir`` holds no complete checkpoint; a
+    :class:`CheckpointError` when every one is damaged. Collective when torch.distributed is
+    initialised (rank 0 decides for all)."""
+    if dist.is_initialized():
+        return _on_rank_zero(_first_whole_checkpoint, root_dir)
+    return _first_whole_checkpoint(root_dir)
+
+
+def _first_whole_checkpoint(root_dir: str) -> Optional[str]:
+    preferred = latest_checkpoint(root_dir)
+    if preferred is None:
+        return None
+    steps = dict((path, step) for step, path in _complete_checkpoints(root_dir))
+    older = [
+        path for step, path in reversed(_complete_checkpoints(root_dir)) if step < steps[preferred]
+    ]
+    damaged = []
+    for path in [preferred, *older]:
+        problems = damaged_files(path)
+        if not problems:
+            if damaged:
+                logger.warning(
+                    "resuming from %s instead of the newer %s: %s",
+                    path,
+                    ", ".join(os.path.basename(p) for p, _ in damaged),
+                    "; ".join(problem for _, found in damaged for problem in found),
+                )
+            return path
+        logger.warning("checkpoint %s is damaged: %s", path, "; ".join(problems))
+        damaged.append((path, problems))
+    raise CheckpointError(
+        f"every complete checkpoint in {root_dir} is damaged: "
+        + "; ".join(problem for _, found in damaged for problem in found),
+        "a damaged checkpoint cannot be loaded (its files are shorter than its index says)",
+        "restore the files from a copy, or start a fresh run (resume=false with "
+        "overwrite_output_dir=true, or another output_dir)",
+    )
 
 
 def read_checkpoint_metadata(path: str) -> dict:
@@ -273,8 +360,10 @@ def _load(request: dict, path: str) -> dict:
     except Exception as error:
         raise CheckpointError(
             f"loading {path} failed: {type(error).__name__}: {error}",
-            "the checkpoint lacks a tensor this model needs or stores it with another shape",
-            "load it with the model config it was saved with (model.* in its checkpoint.json)",
+            "the checkpoint lacks a tensor this model needs or stores it with another shape, or "
+            "one of its files is corrupt",
+            "load it with the model config it was saved with (model.* in its checkpoint.json); "
+            "if the files are damaged, delete this step directory to resume from the one before",
         ) from error
 
 
@@ -574,7 +663,7 @@ def load_checkpoint(
 
 
 def load_latest_checkpoint(engine: Any) -> Optional[dict]:
-    """``extra_state`` of the latest checkpoint in ``<output_dir>/checkpoints`` after restoring
-    it into ``engine``, or None when there is none (a fresh run)."""
-    path = latest_checkpoint(checkpoint_root(engine.cfg))
+    """``extra_state`` of the latest whole checkpoint in ``<output_dir>/checkpoints`` after
+    restoring it into ``engine``, or None when there is none (a fresh run)."""
+    path = resumable_checkpoint(checkpoint_root(engine.cfg))
     return None if path is None else load_checkpoint(engine, path)

@@ -12,6 +12,8 @@ import re
 
 import pytest
 
+from megatron_gspo.engine.optimizer_state import CheckpointError
+
 from .harness import (
     LAYOUT_DEPENDENT,
     TINY,
@@ -68,3 +70,38 @@ def test_kill_and_resume_two_processes(gspo_run, tmp_path):
             assert new[key] == old[key], (new["step"], key)
         for key in ("policy_loss", "grad_norm", "entropy"):
             assert new[key] == pytest.approx(old[key], rel=1e-4, abs=1e-6), (new["step"], key)
+
+
+def test_damaged_newest_checkpoint_falls_back_to_the_one_before(gspo_run, tmp_path):
+    """A shard file of the newest checkpoint cut short (a full disk while copying it): the resume
+    names the file, warns, and continues from the previous complete checkpoint, reproducing the
+    uninterrupted run from there."""
+    from megatron_gspo.engine.checkpoint import damaged_files, resumable_checkpoint
+
+    output_dir = tmp_path / "out"
+    overrides = [*TINY, "checkpoint.interval=1"]
+    run_train(output_dir, ["steps=2", *overrides])
+    root = output_dir / "checkpoints"
+    newest, previous = root / "step_000002", root / "step_000001"
+    assert damaged_files(str(newest)) == [] and resumable_checkpoint(str(root)) == str(newest)
+    shard = max(newest.glob("*.distcp"), key=lambda path: path.stat().st_size)
+    with shard.open("r+b") as handle:
+        handle.truncate(shard.stat().st_size // 2)
+    (problem,) = damaged_files(str(newest))
+    assert problem.startswith(f"{shard}: ") and "truncated" in problem
+
+    resumed = run_train(output_dir, ["steps=3", *overrides, "resume=true"], timeout=240)
+    log = resumed.log
+    assert f"resuming from {previous} instead of the newer step_000002" in log, log[-3000:]
+    assert str(shard) in log and "Traceback" not in log
+    records = resumed.metrics()
+    assert [record["step"] for record in records] == [0, 1, 2]
+    for reference, actual in zip(gspo_run.metrics(), records):
+        assert_records_equal(reference, actual)
+
+    kept = sorted(root.glob("step_*"))  # steps 2 (saved again by the resumed run) and 3
+    assert [path.name for path in kept] == ["step_000002", "step_000003"]
+    (kept[0] / "common.pt").write_bytes(b"PK\x03\x04")
+    (kept[1] / "metadata.json").write_text('{"sharded_backend": ')
+    with pytest.raises(CheckpointError, match="every complete checkpoint .* is damaged"):
+        resumable_checkpoint(str(root))
