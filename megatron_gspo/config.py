@@ -87,17 +87,26 @@ class ModelConfig:
     """Start from this Hugging Face directory: architecture and sizes are read from its
     config.json (fields set here must agree) and each rank loads its own shards."""
     vocab_size: int = 16
+    """Rows of the embedding and output layer; at least the tokenizer's size (the synthetic tasks
+    need 15)."""
     hidden_size: int = 64
+    """Width of the residual stream."""
     num_layers: int = 2
+    """Decoder layers."""
     num_attention_heads: int = 4
+    """Query heads per layer."""
     num_query_groups: int = 2
     """Key/value heads (GQA). Must divide num_attention_heads."""
     head_dim: int = 16
+    """Width of one attention head (Qwen3 sets it independently of hidden_size / heads)."""
     ffn_hidden_size: int = 128
     """Intermediate size of dense MLP layers (dense architectures and first_k_dense_layers)."""
     num_experts: int = 8
+    """Routed experts per MoE layer."""
     moe_ffn_hidden_size: int = 48
+    """Intermediate size of one routed expert."""
     moe_router_topk: int = 2
+    """Experts each token is routed to."""
     moe_renormalize_topk: bool = True
     """Renormalise the top-k router probabilities (Qwen3-MoE norm_topk_prob=True, Mixtral always;
     Qwen2-MoE uses False)."""
@@ -110,14 +119,19 @@ class ModelConfig:
     add_qkv_bias: bool = False
     """Bias on q/k/v projections (Qwen2-MoE)."""
     rms_norm_eps: float = 1e-6
+    """Epsilon of every RMSNorm."""
     rope_theta: float = 1_000_000.0
+    """Base of the rotary position embedding (Qwen3: 1e6)."""
     max_position_embeddings: int = 4096
+    """Longest sequence (prompt + response) the rotary tables cover."""
     tie_word_embeddings: bool = False
+    """Share the input embedding with the output layer (small dense Qwen3 models)."""
     moe_aux_loss_coef: float = 0.0
     """Load-balancing loss coefficient; scaled consistently with the policy loss. 0 disables."""
     dtype: str = "float32"
     """Parameter and compute dtype: float32 (CPU, tests) or bfloat16 (GPU)."""
     init_std: float = 0.02
+    """Standard deviation of the seed initialisation (a model without hf_path or checkpoint)."""
     recompute_activations: bool = False
     """Full activation recomputation of every decoder layer (GPU memory saver)."""
 
@@ -302,6 +316,7 @@ class AlgoConfig:
     """
 
     importance_sampling: str = "seq"
+    """seq (GSPO), seq_token (GSPO-token) or token (GRPO/PPO): the ratio of the policy loss."""
     adv_estimator: str = "grpo"
     """grpo: (r - group mean) / (group std + eps); dr_grpo: r - group mean (Dr.GRPO, Liu et al.
     2025); reinforce: r - baseline (``reinforce_baseline``; ROLL uses none and relies on
@@ -578,11 +593,17 @@ class OptimConfig:
     """AdamW through Megatron's optimizer, with linear warm-up then constant or cosine decay."""
 
     lr: float = 3e-3
+    """Peak learning rate. 3e-3 suits the tiny CPU demo; the GPU presets use 1e-6."""
     min_lr: float = 0.0
+    """Learning rate at the end of a linear or cosine decay."""
     weight_decay: float = 0.0
+    """Decoupled (AdamW) weight decay."""
     adam_beta1: float = 0.9
+    """AdamW beta1."""
     adam_beta2: float = 0.999
+    """AdamW beta2."""
     adam_eps: float = 1e-8
+    """AdamW epsilon."""
     clip_grad: float = 1.0
     """Global gradient-norm clip; 0 disables."""
     lr_warmup_steps: int = 0
@@ -630,7 +651,9 @@ class RolloutConfig:
     temperature: float = 1.0
     """Sampling temperature; training log-probs are computed at the same temperature."""
     top_p: float = 1.0
+    """Nucleus sampling mass; 1 samples from the whole distribution (below 1 warns)."""
     top_k: int = -1
+    """Sample among the k most likely tokens; -1 disables (above 0 warns)."""
     min_new_tokens: int = 0
     """Stop tokens (the tokenizer's EOS included) cannot be sampled before a response has this
     many tokens (SGLang's ``min_new_tokens``); at ``>= algo.response_length`` every response is
@@ -648,13 +671,19 @@ class RolloutConfig:
     """Address launched SGLang servers listen on. They require the run's API key, but plain HTTP
     carries it (and the weights) unencrypted: any other address than loopback warns at start."""
     sglang_port: int = 30000
+    """Port of the first launched server; server i listens on sglang_port + i."""
     sglang_tp: int = 1
+    """Tensor parallel size of each launched server (its --tp-size); server i uses the GPUs from i *
+    sglang_tp."""
     sglang_ep: int = 1
+    """Expert parallel size of each launched server (its --ep-size); divides sglang_tp."""
     sglang_mem_fraction: float = 0.7
     """SGLang's --mem-fraction-static: the share of each GPU's memory that SGLang takes for its
     weights and KV cache. Colocated with the trainer, it must leave room for the trainer's
     resident weights, gradients and optimizer state."""
     sglang_extra_args: list[str] = field(default_factory=list)
+    """More arguments for launched servers (SGLang ServerArgs flags); flags set from the keys above
+    may not be repeated here."""
     sglang_release_memory: bool = False
     """Colocated layout (SGLang on the trainer's GPUs): release SGLang's GPU memory (weights, KV
     cache, CUDA graphs) with /release_memory_occupation after each rollout, so that log-probs and
@@ -667,8 +696,12 @@ class RolloutConfig:
     weight_bucket_mb: int = 512
     """Upper bound of one weight-sync bucket."""
     request_timeout_s: float = 600.0
+    """Time limit of one /generate call to an SGLang server."""
     max_retries: int = 3
+    """Retries of a request that failed in transport (connection refused or reset), with doubling
+    backoff."""
     max_concurrency: int = 256
+    """Most /generate calls in flight over all servers."""
 
     def __post_init__(self) -> None:
         _check_choice(
@@ -738,6 +771,10 @@ class RewardConfig:
     """Reward functions by name (see megatron_gspo.reward) or by import path ``pkg.mod:fn``."""
 
     functions: list[str] = field(default_factory=lambda: ["synthetic"])
+    """Built-in names (math, exact_match, format, code, synthetic) or import paths
+    package.module:function; the reward is their weighted sum. The default is the CPU demo's digit
+    reward, meaningful only for the synthetic tasks. A function's signature: README, "Custom reward
+    functions"."""
     weights: list[float] = field(default_factory=list)
     """One weight per function; empty means all 1."""
     timeout_s: float = 10.0
@@ -745,6 +782,7 @@ class RewardConfig:
     failure_reward: float = 0.0
     """Score of a sample whose reward raised or timed out (counted and logged, never silent)."""
     num_workers: int = 2
+    """Reward calls running at the same time (worker processes or threads)."""
     executor: str = "process"
     """process: each worker is a child process, and a call that times out is stopped by killing
     its worker (which is then replaced); thread: workers are threads of the trainer (no start-up
@@ -810,8 +848,12 @@ class DataConfig:
     train_path: Optional[str] = None
     """JSONL or Parquet with a prompt column (and answers/metadata)."""
     eval_path: Optional[str] = None
+    """Held-out prompt file for evaluation (the format of train_path). Null: no evaluation set with
+    a prompt file; the synthetic task uses its own held-out prompts."""
     prompt_key: str = "prompt"
+    """Key (column) of the prompt in the prompt files: a string or chat messages."""
     answer_key: str = "answer"
+    """Key (column) of the reference answer (optional per row); rewards receive it as ``answer``."""
     tokenizer_path: Optional[str] = None
     """HF tokenizer directory (defaults to model.hf_path); the synthetic tasks bring their own."""
     apply_chat_template: bool = True
@@ -828,11 +870,14 @@ class DataConfig:
 
 @dataclass
 class EvalConfig:
+    """Evaluation on held-out prompts: greedy accuracy, mean reward and pass@k."""
+
     interval: int = 0
     """Evaluate every k steps on held-out prompts; 0 disables."""
     num_samples: int = 4
     """Samples per prompt for pass@k (k <= num_samples)."""
     temperature: float = 1.0
+    """Sampling temperature of the pass@k samples (greedy accuracy uses 0)."""
     correct_reward: float = 1.0
     """A held-out response counts as correct (greedy accuracy, pass@k) when its reward reaches
     this value (1.0 is a full score for the built-in tasks and the math reward)."""
@@ -844,6 +889,9 @@ class EvalConfig:
 
 @dataclass
 class CheckpointConfig:
+    """Megatron distributed checkpoints in output_dir/checkpoints (atomic, resumable at any
+    layout)."""
+
     interval: int = 0
     """Save a Megatron distributed checkpoint every k steps (and at the end); 0 disables."""
     keep_last: int = 2
@@ -858,23 +906,33 @@ class CheckpointConfig:
 
 @dataclass
 class LoggingConfig:
+    """Where metrics and messages go. metrics.jsonl is always written (driver only)."""
+
     tensorboard: bool = True
+    """Write TensorBoard events to output_dir/tensorboard."""
     wandb: bool = False
+    """Log to Weights & Biases as well (pip install wandb)."""
     wandb_project: str = "megatron_gspo"
+    """W&B project of the run."""
     progress_bar: bool = True
+    """A progress bar with reward, clip fraction, KL and step time (driver only)."""
     log_level: str = "INFO"
+    """Python logging level of the driver (other ranks log warnings only)."""
 
 
 @dataclass
 class TrainConfig:
     """Root of the tree: ``python -m megatron_gspo.train`` with no arguments runs these defaults,
-    the CPU demo (a tiny MoE that learns to repeat 8 digits: a 20-step supervised cold start, then
-    GSPO)."""
+    the CPU demo (a tiny MoE that learns to repeat 8 random digits: a 20-step supervised cold
+    start, then GSPO)."""
 
     output_dir: str = "outputs/cpu_demo"
+    """Where metrics.jsonl, tensorboard/, checkpoints/ and rollout files go (created if missing)."""
     steps: int = 40
     """RL steps (rollout + updates) to run."""
     seed: int = 1234
+    """Seeds the initial weights, the prompt order, the mini-batch splits and (unless rollout.seed
+    is set) sampling: the same seed and configuration give the same run."""
     resume: bool = False
     """Continue from the latest complete checkpoint in output_dir/checkpoints."""
     overwrite_output_dir: bool = False

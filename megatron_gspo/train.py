@@ -1,6 +1,7 @@
 """Entry point: ``python -m megatron_gspo.train [--preset NAME|PATH] [key=value ...]``.
 
-With no arguments it runs the CPU demo (a tiny MoE learning digit reversal with GSPO). Under
+With no arguments it runs the CPU demo: a tiny MoE learns to repeat 8 random digits
+(``data.task=digit_copy``), a 20-step supervised cold start and then 40 GSPO steps. Under
 ``torchrun --nproc_per_node N`` it uses the configured layout (``parallel.tp=2 parallel.ep=2``).
 Overrides use Hydra's grammar; the schema is :class:`megatron_gspo.config.TrainConfig`.
 

@@ -43,6 +43,14 @@ def _reverse(digits: Sequence[int]) -> list[int]:
 SYNTHETIC_TASKS = {"digit_copy": list, "digit_reversal": _reverse, "digit_sort": sorted}
 """Task name -> function from the prompt's digits to the answer's digits."""
 
+TASK_SUMMARIES = {
+    "digit_copy": "repeat 8 random digits",
+    "digit_reversal": "reverse 8 random digits",
+    "digit_sort": "sort 8 random digits",
+}
+"""Task name -> what the policy learns, in the words every description of a task uses (the CPU
+demo's in README, ``--help``, examples/moe/cpu_demo.yaml; tests/docs/test_docs.py checks them)."""
+
 
 def check_task(task: str) -> None:
     if task not in SYNTHETIC_TASKS:
