@@ -31,7 +31,7 @@ add one behind its back.
 
 ``rope_theta`` is written both as HF 5's ``rope_parameters`` and as the flat ``rope_theta`` key,
 because transformers 4.57 silently ignores ``rope_parameters`` (see
-``reference/hf-megatron-mapping.md`` section 1, "config compatibility hazard").
+``docs/hf-mapping.md`` section 1, "Both spellings are written").
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ one-process model (tp = pp = ep = 1) whose names carry the global layer and expe
 ``save_pretrained`` writes to disk (per-expert tensors, Mixtral's ``block_sparse_moe``), not the
 packed ``gate_up_proj`` that transformers 5 keeps in memory.
 
-Both Megatron spellings are accepted (see ``reference/hf-megatron-mapping.md`` section 2):
+Both Megatron spellings are accepted (see ``docs/hf-mapping.md`` section 2):
 
 ============================================  ==============================================
 local spec                                    Transformer Engine spec / dist-checkpoint key

@@ -6,7 +6,7 @@ the chunks each rank wrote) and ``__<rank>_<i>.distcp`` files holding the chunks
 each model tensor once, in its one-process layout (q/k/v grouped, fc1 = [gate; up]); tensor
 parallel splits are just chunks, so reading a region reassembles them.
 
-Keys (``reference/hf-megatron-mapping.md`` section 4, checked against megatron-core 0.16.1):
+Keys (``docs/hf-mapping.md`` section 4, checked against megatron-core 0.16.1):
 
 * homogeneous layers are stacked on a leading layer axis: ``decoder.layers.<rest>`` ``[L, ...]``;
   with a heterogeneous layout (dense first layers, ``moe_layer_freq`` a list) the layer index

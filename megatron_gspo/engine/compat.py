@@ -7,11 +7,11 @@ is available, and every shim is idempotent. Each shim names the upstream functio
 megatron-core versions it was checked against (:data:`CHECKED_VERSIONS`); ``tests/engine`` has a
 test per shim that fails when an upstream change makes it unnecessary or ineffective.
 
-Section numbers follow ``reference/megatron-cpu.md`` ("The CPU shims that were needed"); 2b (the
-grad-norm fallback) and 5b (``Tensor.cuda()`` when tying embeddings over pipeline stages) were
-found here, as were two for speed alone: 7b (dynamo traces the router's no-op expert-bias update)
-and 11 (the local experts without per-expert modules, ``engine/experts.py``). Shim 9 is not a
-patch but a norm class used in the local layer spec.
+Section numbers are those of ``docs/megatron-cpu.md`` ("The CPU shims"), which says why each
+exists; 2b (the grad-norm fallback) and 5b (``Tensor.cuda()`` when tying embeddings over pipeline
+stages) were found here, as were two for speed alone: 7b (dynamo traces the router's no-op
+expert-bias update) and 11 (the local experts without per-expert modules, ``engine/experts.py``).
+Shim 9 is not a patch but a norm class used in the local layer spec.
 
 Version differences (0.16.1 on CPU CI, newer in the GPU image) are detected by feature, never by
 comparing version strings in the code that uses them: see :data:`MEGATRON_CORE_VERSION`,

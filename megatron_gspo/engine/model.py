@@ -76,7 +76,7 @@ def transformer_config(
     top-k (Qwen3-MoE, Mixtral) is Megatron's ``moe_router_pre_softmax=False`` (softmax over the
     top-k logits), no renormalisation (Qwen2-MoE) is ``True`` (top-k of the full softmax).
     Sequence parallel whenever tp > 1. CPU runs use the settings of
-    ``reference/megatron-cpu.md`` (no fusions, CPU initialisation, fp32).
+    ``docs/megatron-cpu.md`` (no fusions, CPU initialisation, fp32).
     """
     on_gpu = cuda_available()
     dtype = _DTYPES[model.dtype]

@@ -9,7 +9,7 @@ non-distributed optimizers read each other's. The Adam step shared by every para
 metadata; the hyper-parameters are rebuilt from the config and the restored lr schedule.
 
 Why not Megatron's own optimizer ``sharded_state_dict`` (megatron-core 0.16.1, CPU,
-``reference/megatron-cpu.md``):
+``docs/megatron-cpu.md``):
 
 * Non-distributed: its plain part (param groups, step) is saved by rank 0 only and handed to
   every rank on load, so a rank whose chained optimizers differ from rank 0's (a pipeline stage

@@ -1,6 +1,6 @@
 """MoE Routing Replay (R2 / R3) and expert-volatility metrics on Megatron-Core's ``RouterReplay``.
 
-Terms (``reference/gspo-algorithms.md`` section 4): **R2** records every MoE layer's top-k experts
+Terms (``docs/loss-pitfalls.md``, "Routing Replay"): **R2** records every MoE layer's top-k experts
 per token in the old-log-prob forward of the training engine and replays them in the training
 forwards of the same samples; **R3** replays the rollout engine's routes in the old-log-prob
 forward and in the training forwards.
@@ -260,7 +260,7 @@ def micro_batch_routes(
 
 def check_never_replays(chunks: Sequence[torch.nn.Module]) -> None:
     """Raise unless no router of ``chunks`` can replay (a reference model must route natively:
-    pitfall 13 of ``reference/gspo-algorithms.md``)."""
+    pitfall 13 of ``docs/loss-pitfalls.md``)."""
     for chunk in chunks:
         for layer in chunk.decoder.layers:
             router = getattr(layer.mlp, "router", None)

@@ -1,6 +1,6 @@
 """The policy update: one optimizer step per mini-batch through Megatron's forward_backward_func.
 
-Loss normalisation (pitfalls 5 and 6 of ``reference/gspo-algorithms.md``). Each micro-batch's
+Loss normalisation (pitfalls 5 and 6 of ``docs/loss-pitfalls.md``). Each micro-batch's
 loss ``L_mb`` is :func:`megatron_gspo.algo.policy_loss` over this rank's tokens with the GLOBAL
 denominators of the mini-batch (sequences, tokens, per-sequence lengths), so
 ``sum over micro-batches, dp and cp ranks of L_mb`` is exactly the loss of the whole mini-batch.

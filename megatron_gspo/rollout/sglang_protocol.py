@@ -2,7 +2,7 @@
 
 Pure functions shared by the SGLang client (which parses) and the embedded loopback server (which
 answers in the same shape). No sglang import. Shapes and fields follow
-``reference/sglang-protocol.md`` sections 1-2:
+``docs/sglang-protocol.md`` sections 1-2:
 
 * request: ``input_ids`` (one list, or a list of lists for a batch), ``rid``,
   ``sampling_params`` (dict, or one per prompt), ``return_logprob``, ``return_routed_experts``;

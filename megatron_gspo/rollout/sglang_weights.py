@@ -2,7 +2,7 @@
 
 Each transport takes full (unsharded) tensors under their on-disk Hugging Face names (Megatron ->
 HF conversion and the TP/EP gather happen before, trainer-side) and issues the SGLang calls of
-``reference/sglang-protocol.md`` section 3. :class:`SGLangEngine` wraps every sync in the
+``docs/sglang-protocol.md`` section 4. :class:`SGLangEngine` wraps every sync in the
 ``/begin_weight_update`` bracket; the caller pauses and flushes first
 (:func:`megatron_gspo.rollout.types.sync_weights_paused`).
 

@@ -103,3 +103,45 @@ def test_readme_reward_example_runs(tmp_path, monkeypatch):
         result = runner.score(samples)
     assert result.scores["my_rewards_ends_with_answer"] == [1.1, 0.1]
     assert result.metrics["reward_errors"] == 0.0
+
+
+SHIPPED = ("megatron_gspo/", "docs/", "examples/", "tools/", "benchmarks/")
+SHIPPED_FILES = ("README.md", "CONTRIBUTING.md", "CHANGELOG.md", "Dockerfile", "setup.py")
+OUTSIDE = re.compile(r"(?<![\w/.])reference/[\w.-]+\.md|shared/reference|\.\./shared|/work/")
+DOC_PATH = re.compile(r"(?<![\w/.-])docs/[\w.-]+\.md")
+MARKDOWN_LINK = re.compile(r"\]\(([^)\s]+)\)")
+
+
+def shipped_text_files() -> list[Path]:
+    import subprocess
+
+    listed = subprocess.run(
+        ["git", "ls-files"], cwd=REPO_ROOT, capture_output=True, text=True, check=True
+    ).stdout.split()
+    return [
+        REPO_ROOT / name
+        for name in listed
+        if (name.startswith(SHIPPED) or name in SHIPPED_FILES)
+        and not name.endswith((".png", ".jsonl", ".json", ".parquet"))
+        and (REPO_ROOT / name).is_file()
+    ]
+
+
+def test_nothing_refers_to_files_outside_the_repository():
+    """Knowledge the code relies on lives in docs/, not in a folder that is not shipped."""
+    problems = []
+    for path in shipped_text_files():
+        text = path.read_text(errors="replace")
+        for number, line in enumerate(text.splitlines(), start=1):
+            where = f"{path.relative_to(REPO_ROOT)}:{number}"
+            problems += [f"{where}: {match}" for match in OUTSIDE.findall(line)]
+            for page in DOC_PATH.findall(line):
+                if not (REPO_ROOT / page).is_file():
+                    problems.append(f"{where}: {page} does not exist")
+        if path.suffix == ".md":
+            for target in MARKDOWN_LINK.findall(text):
+                if target.startswith(("http://", "https://", "#", "mailto:")):
+                    continue
+                if not (path.parent / target.split("#")[0]).exists():
+                    problems.append(f"{path.relative_to(REPO_ROOT)}: broken link {target}")
+    assert not problems, "\n".join(problems)
