@@ -1,7 +1,9 @@
 """megatron_gspo: GSPO RL post-training for MoE LLMs on Megatron-Core.
 
-CPU installs go through constraints.txt (pins torch==2.13.0 and megatron-core==0.16.1 so that no
-CUDA wheels are pulled):  pip install -c constraints.txt -e ".[test]"
+The lower and upper bounds below span the versions the project was tested with (upper: the CPU
+CI's and the GPU image's); constraints.txt pins the exact versions CI runs. pip cannot be told
+from here to take torch's CPU build: on a CPU machine install it from PyTorch's CPU index first
+(README, "Installing").
 """
 
 from pathlib import Path
@@ -19,12 +21,15 @@ setup(
     python_requires=">=3.11",
     packages=find_packages(include=["megatron_gspo", "megatron_gspo.*"]),
     install_requires=[
-        "torch>=2.6",
-        "megatron-core>=0.16.1",
-        "transformers>=4.57",
+        # Upper bounds: the newest tested (2.13 CPU CI, 2.14.1 GPU image; 0.16.1 / 0.17.1).
+        "torch>=2.6,<2.15",
+        "megatron-core>=0.16.1,<0.18",
+        # 5.24 deprecates past_key_values, which the embedded engine passes (a warning per call).
+        "transformers>=4.57,<5.24",
         "safetensors>=0.4",
-        "hydra-core>=1.3",
-        "omegaconf>=2.3",
+        # The config loader translates Hydra's and OmegaConf's errors (config_loader._translate).
+        "hydra-core>=1.3,<1.4",
+        "omegaconf>=2.3,<2.4",
         "numpy>=1.26",
         "pyarrow>=14",
         "psutil>=5.9",  # megatron dist_checkpointing's writer hangs without it (undeclared upstream)
