@@ -9,8 +9,26 @@ from here to take torch's CPU build: on a CPU machine install it from PyTorch's 
 from pathlib import Path
 
 from setuptools import find_packages, setup
+from setuptools.command.build_py import build_py
 
 ROOT = Path(__file__).parent
+
+
+class BuildPyWithPresets(build_py):
+    """Ship the presets with the package: examples/moe/*.yaml, their one source (users read and
+    copy them there), is copied into the built package as megatron_gspo/presets/, where
+    ``--preset NAME`` finds them when no checkout is beside the installed package. An editable
+    install reads examples/moe/ itself (megatron_gspo.config_loader.presets_dir)."""
+
+    def run(self) -> None:
+        super().run()
+        if getattr(self, "editable_mode", False):
+            return
+        target = Path(self.build_lib) / "megatron_gspo" / "presets"
+        self.mkpath(str(target))
+        for preset in sorted((ROOT / "examples" / "moe").glob("*.yaml")):
+            self.copy_file(str(preset), str(target / preset.name))
+
 
 setup(
     name="megatron_gspo",
@@ -61,4 +79,5 @@ setup(
         "wandb": ["wandb>=0.17"],
     },
     entry_points={"console_scripts": ["megatron-gspo-train=megatron_gspo.train:main"]},
+    cmdclass={"build_py": BuildPyWithPresets},
 )

@@ -19,6 +19,16 @@ from megatron_gspo.config import ConfigError, TrainConfig, _dataclass_of, _sugge
 
 SCHEMA_NAME = "megatron_gspo"
 EXAMPLES_DIR = Path(__file__).resolve().parent.parent / "examples" / "moe"
+"""The presets' one source: ``examples/moe/`` of a source checkout (also of an editable
+install), where users read and copy them."""
+PACKAGED_PRESETS_DIR = Path(__file__).resolve().parent / "presets"
+"""The copy of ``examples/moe/*.yaml`` that a built package carries (setup.py's build step), for
+installs without a checkout beside them."""
+
+
+def presets_dir() -> Path:
+    """Where ``--preset NAME`` looks: the checkout's examples/moe/, else the packaged copy."""
+    return EXAMPLES_DIR if EXAMPLES_DIR.is_dir() else PACKAGED_PRESETS_DIR
 
 
 def register_schema() -> None:
@@ -41,16 +51,17 @@ def resolve_preset(name_or_path: Optional[str]) -> tuple[Optional[str], str]:
                 "give an existing path, or the name of a preset in examples/moe/",
             )
         return str(path.resolve().parent), path.stem
-    candidate = EXAMPLES_DIR / f"{name_or_path}.yaml"
+    directory = presets_dir()
+    candidate = directory / f"{name_or_path}.yaml"
     if not candidate.is_file():
-        known = sorted(p.stem for p in EXAMPLES_DIR.glob("*.yaml")) if EXAMPLES_DIR.is_dir() else []
+        known = sorted(p.stem for p in directory.glob("*.yaml")) if directory.is_dir() else []
         raise ConfigError(
             "preset",
             f"no preset named {name_or_path!r}",
-            f"presets are the YAML files of {EXAMPLES_DIR}",
+            f"presets are the YAML files of {directory}",
             f"{_suggest(name_or_path, known)}known presets: {', '.join(known) or '(none)'}",
         )
-    return str(EXAMPLES_DIR), name_or_path
+    return str(directory), name_or_path
 
 
 def compose(preset: Optional[str] = None, overrides: Optional[list[str]] = None) -> dict[str, Any]:

@@ -45,7 +45,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         "-cn",
         dest="preset",
         default=None,
-        help="preset name from examples/moe/ (e.g. roll_gspo) or a YAML path",
+        help="preset name (the YAML files of examples/moe/, shipped with the package), e.g. "
+        "roll_gspo, or a YAML path",
     )
     parser.add_argument(
         "--cfg", action="store_true", help="print the resolved configuration as YAML and exit"
