@@ -193,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
         *args.overrides,
     ]
     from megatron_gspo.config_loader import load_config
-    from megatron_gspo.stages import resolve_model
+    from megatron_gspo.run_setup import resolve_model
 
     cfg = resolve_model(load_config(args.preset, overrides))
     command = [

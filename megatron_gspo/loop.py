@@ -3,75 +3,34 @@
     prompts -> rollout -> rewards -> old / reference log-probs -> advantages -> policy update
             -> weight sync -> log, checkpoint, evaluate
 
-Every rank runs this file (SPMD under torchrun). The driver (global rank 0) owns the rollout engine,
-the reward functions and the logs; it broadcasts the scored samples, and every rank takes part in
-the engine's collective calls (log-probs, updates, weight gathering, checkpoints).
+Every rank runs this file (SPMD under torchrun) and speaks to two actors: the training engine,
+whose calls are collective, and the driver (``driver.py``), which on global rank 0 owns the
+rollout engine, the reward functions and the logs, generates and scores the samples and
+broadcasts them, so that every rank holds the whole rollout batch.
 """
 
 from __future__ import annotations
 
-import logging
 import time
-from dataclasses import dataclass, field
 
 import torch
-import torch.distributed as dist
 
-from megatron_gspo.algo import RunningMoments
-from megatron_gspo.config import TrainConfig, to_dict
-from megatron_gspo.metrics import MetricsLogger
-from megatron_gspo.reward import RewardRunner
-from megatron_gspo.samples import TrainSample
-from megatron_gspo.stages import (
+from megatron_gspo.config import TrainConfig
+from megatron_gspo.driver import build_driver
+from megatron_gspo.metrics import headline_metrics, log_prob_gap_metrics
+from megatron_gspo.policy_stages import (
     assign_advantages,
-    build_rollout,
-    build_task,
-    evaluate,
-    generate,
-    headline_metrics,
-    initial_weights_loader,
-    log_prob_gap_metrics,
-    resolve_model,
-    resume_checkpoint,
-    rollout_metrics,
-    save_checkpoint,
-    score,
     set_old_log_probs,
     sft_warmup,
-    sync_weights,
     update_policy,
 )
-
-logger = logging.getLogger(__name__)
-
-
-@dataclass
-class RunState:
-    """What a checkpoint must restore besides the model and optimizer for an exact resume."""
-
-    step: int = 0
-    data: dict = field(default_factory=dict)
-    reward_moments: RunningMoments = field(default_factory=RunningMoments)
-
-    def state_dict(self) -> dict:
-        return {
-            "step": self.step,
-            "data": self.data,
-            "reward_moments": self.reward_moments.state_dict(),
-        }
-
-    def load_state_dict(self, state: dict) -> None:
-        self.step, self.data = state["step"], state["data"]
-        self.reward_moments.load_state_dict(state["reward_moments"])
-
-
-def broadcast_samples(samples: list[TrainSample] | None) -> list[TrainSample]:
-    """The driver's samples on every rank (pickled over the default group; small next to a step)."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return samples
-    payload = [samples]
-    dist.broadcast_object_list(payload, src=0)
-    return payload[0]
+from megatron_gspo.run_setup import (
+    RunState,
+    initial_weights_loader,
+    resolve_model,
+    resume_checkpoint,
+    save_checkpoint,
+)
 
 
 def run(cfg: TrainConfig) -> list[dict]:
@@ -86,77 +45,53 @@ def run(cfg: TrainConfig) -> list[dict]:
         torch.set_flush_denormal(True)
     cfg = resolve_model(cfg)
     engine = TrainEngine(cfg, load_weights=initial_weights_loader(cfg))
-    driver = engine.parallel.rank == 0
-    task = build_task(cfg) if driver else None
-    rewards = RewardRunner(cfg.reward) if driver else None
-    rollout = build_rollout(cfg) if driver else None
+    with build_driver(cfg, rank=engine.parallel.rank) as driver:
+        advantage_settings = cfg.algo.advantage_settings()
+        state = RunState()
+        resumed = resume_checkpoint(engine, cfg) if cfg.resume else None
+        if resumed is not None:
+            state.load_state_dict(resumed)
+        driver.start(state.step, None if resumed is None else state.data)
+        if state.step == 0 and cfg.sft_warmup_steps:
+            sft_warmup(engine, driver, cfg)
+        driver.sync_weights(engine.hf_weights(), version=state.step)
+        for step in range(state.step, cfg.steps):
+            started = time.perf_counter()
+            timings: dict[str, float] = {}
 
-    advantage_settings = cfg.algo.advantage_settings()
-    state = RunState()
-    resumed = resume_checkpoint(engine, cfg) if cfg.resume else None
-    if resumed is not None:
-        state.load_state_dict(resumed)
-        if driver:
-            task.stream.load_state_dict(state.data)
-    log = MetricsLogger(
-        cfg.output_dir,
-        cfg.logging,
-        total_steps=cfg.steps,
-        start_step=state.step,
-        run_config=to_dict(cfg),
-        enabled=driver,
-    )
-    if state.step == 0 and cfg.sft_warmup_steps:
-        sft_warmup(engine, task, cfg, broadcast_samples)
-    sync_weights(engine, rollout, version=state.step)
-    records = []
-    for step in range(state.step, cfg.steps):
-        started = time.perf_counter()
-        timings: dict[str, float] = {}
+            batch = driver.rollout(step)  # generated and scored on rank 0, on every rank
+            samples = batch.samples
+            with _timed(timings, "old_log_probs"):
+                set_old_log_probs(engine, samples, cfg.algo)
+            with _timed(timings, "advantages"):
+                advantage_stats = assign_advantages(
+                    samples, advantage_settings, state.reward_moments
+                )
+            with _timed(timings, "update"):
+                update_stats = update_policy(engine, samples, cfg.algo, seed=cfg.seed, step=step)
+            with _timed(timings, "weight_sync"):
+                sync_stats = driver.sync_weights(engine.hf_weights(), version=step + 1)
 
-        with _timed(timings, "rollout"):
-            prompts = task.stream.next_batch(cfg.algo.rollout_batch_size) if driver else None
-            samples = generate(rollout, task, prompts, cfg, step) if driver else None
-        with _timed(timings, "reward"):
-            reward_stats = score(samples, prompts, rewards, task) if driver else {}
-            samples = broadcast_samples(samples)
-        with _timed(timings, "old_log_probs"):
-            set_old_log_probs(engine, samples, cfg.algo)
-        with _timed(timings, "advantages"):
-            advantage_stats = assign_advantages(samples, advantage_settings, state.reward_moments)
-        with _timed(timings, "update"):
-            update_stats = update_policy(engine, samples, cfg.algo, seed=cfg.seed, step=step)
-        with _timed(timings, "weight_sync"):
-            sync_stats = sync_weights(engine, rollout, version=step + 1)
-
-        state.step = step + 1
-        state.data = task.stream.state_dict() if driver else {}
-        metrics = {
-            **rollout_metrics(samples),
-            **reward_stats,
-            **advantage_stats,
-            **log_prob_gap_metrics(samples),
-            **update_stats,
-            **sync_stats,
-            **(task.stream.stats() if driver else {}),
-            **{f"time/{name}_s": seconds for name, seconds in timings.items()},
-            "step_time_s": time.perf_counter() - started,
-        }
-        metrics.update(headline_metrics(metrics, cfg.algo))
-        if cfg.eval.interval and (step + 1) % cfg.eval.interval == 0 and driver:
-            metrics.update(evaluate(rollout, task, rewards, cfg))
-        if cfg.checkpoint.interval and (
-            (step + 1) % cfg.checkpoint.interval == 0 or step + 1 == cfg.steps
-        ):
-            save_checkpoint(engine, cfg, state.state_dict())
-        log.log(step, metrics)
-        if driver:
-            records.append({"step": step, **metrics})
-    log.close()
-    for closable in (rollout, rewards):
-        if closable is not None:
-            closable.close()
-    return records
+            state.step = step + 1
+            state.data = driver.state_dict()
+            metrics = {
+                **batch.metrics,
+                **advantage_stats,
+                **log_prob_gap_metrics(samples),
+                **update_stats,
+                **sync_stats,
+                **{f"time/{name}_s": seconds for name, seconds in timings.items()},
+                "step_time_s": time.perf_counter() - started,
+            }
+            metrics.update(headline_metrics(metrics, cfg.algo))
+            if cfg.eval.interval and (step + 1) % cfg.eval.interval == 0:
+                metrics.update(driver.evaluate())
+            if cfg.checkpoint.interval and (
+                (step + 1) % cfg.checkpoint.interval == 0 or step + 1 == cfg.steps
+            ):
+                save_checkpoint(engine, cfg, state.state_dict())
+            driver.log(step, metrics)
+        return driver.records
 
 
 class _timed:

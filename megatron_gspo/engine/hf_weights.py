@@ -242,7 +242,7 @@ def iter_hf_weights(
     layer alone are 2 x 39 MB per fp32 clone). A yielded tensor is valid until the trainer's
     parameters next change: consume it before the next optimizer step or load. Every consumer
     does so within one call, during which nothing updates the parameters: a weight sync
-    (``stages.sync_weights`` -> ``RolloutEngine.sync_weights``: the embedded engine holds the
+    (``Driver.sync_weights`` -> ``RolloutEngine.sync_weights``: the embedded engine holds the
     tensors until its all-or-nothing commit copies them in, SGLang's transports write or serialise
     them), the HF export
     (:func:`export_hf_checkpoint` writes it). Clone what you keep longer.

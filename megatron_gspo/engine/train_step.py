@@ -27,7 +27,7 @@ from collections.abc import Callable, Sequence
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -67,6 +67,9 @@ from megatron_gspo.engine.routing_replay import PolicyRouting, RoutingPass, chec
 from megatron_gspo.engine.sharding import initialize_weights_from_seed
 from megatron_gspo.health import RunStopped
 from megatron_gspo.samples import TrainSample
+
+if TYPE_CHECKING:
+    from megatron_gspo.rollout.types import StableTensorStream
 
 logger = logging.getLogger(__name__)
 
@@ -247,6 +250,14 @@ class TrainEngine:
     @property
     def policy_chunks(self) -> list[PolicyModel]:
         return [unwrap(chunk) for chunk in self.model]
+
+    def hf_weights(self) -> StableTensorStream:
+        """The policy's weights as full tensors under Hugging Face names, for the rollout
+        engine (:func:`~megatron_gspo.engine.hf_weights.iter_hf_weights`: on global rank 0).
+        Collective: every rank must drain the stream (gathering shards)."""
+        from megatron_gspo.engine.hf_weights import iter_hf_weights
+
+        return iter_hf_weights(self.policy_chunks, self.cfg)
 
     @torch.no_grad()
     def copy_policy_to_reference(self) -> None:

@@ -51,7 +51,7 @@ REQUIRED_METRICS = (
     "step_time_s",
     "routing_change_frac",
 )
-"""What every step of an MoE run must log (``kl``: see ``stages.headline_metrics``)."""
+"""What every step of an MoE run must log (``kl``: see ``metrics.headline_metrics``)."""
 
 LAYOUT_DEPENDENT = frozenset({"tokens", "padding_tokens", "num_micro_batches"})
 """Per-rank token counts: they depend on how the batch is cut, not on what is computed."""

@@ -41,7 +41,7 @@ def kill_and_resume(output_dir, overrides, nproc):
         first.kill()
     assert list((output_dir / "checkpoints").glob("step_*")), "no checkpoint before the kill"
     resumed = run_train(output_dir, [*overrides, "resume=true"], nproc=nproc, timeout=240)
-    match = re.search(r"resuming from \S+step_0*(\d+)", resumed.log)  # stages.resume_checkpoint
+    match = re.search(r"resuming from \S+step_0*(\d+)", resumed.log)  # run_setup.resume_checkpoint
     assert match, f"no resume message in the log:\n{resumed.log[-3000:]}"
     start_step = int(match.group(1))
     assert KILLED_AFTER_STEP < start_step < 3, start_step

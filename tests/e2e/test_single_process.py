@@ -99,7 +99,7 @@ def test_detached_log_probs_with_evaluation(tmp_path):
         ],
     )
     records = run.metrics()
-    # No reference model and no trainer forward before the update: `kl` (stages.headline_metrics)
+    # No reference model and no trainer forward before the update: `kl` (metrics.headline_metrics)
     # and `routing_change_frac` (config.AlgoConfig.log_routing_change) have nothing to compare.
     assert_required_metrics(records, steps=2, not_measured=["kl", "routing_change_frac"])
     for record in records:

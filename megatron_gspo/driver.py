@@ -1,0 +1,440 @@
+"""The driver: the one actor of a run that generates and scores samples (global rank 0).
+
+The RL loop speaks to two actors. The training engine runs on every rank and its calls are
+collective. The driver owns the task (prompts, tokenizer, held-out prompts), the rollout engine,
+the reward functions and the logs; it generates and scores each step's samples and broadcasts
+them, so that every rank holds the whole rollout batch. Every rank holds a :class:`Driver`:
+global rank 0 the :class:`RolloutDriver`, the others a :class:`DriverFollower` that takes its part
+in the driver's collectives (the broadcast, draining the weight stream) and has nothing else to
+do. The loop therefore never tests the rank.
+
+A new way to produce samples (an asynchronous producer, multi-turn environments) is a new
+:class:`Driver` behind the same small interface.
+"""
+
+from __future__ import annotations
+
+import abc
+import logging
+import os
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Optional
+
+import torch
+import torch.distributed as dist
+
+from megatron_gspo.config import ConfigError, TrainConfig, to_dict
+from megatron_gspo.metrics import MetricsLogger, pass_at_k, rollout_metrics
+from megatron_gspo.samples import TrainSample
+
+if TYPE_CHECKING:
+    from megatron_gspo.data.prompts import Prompt
+    from megatron_gspo.reward import RewardRunner
+    from megatron_gspo.rollout import RolloutEngine
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class RolloutBatch:
+    """One step's scored samples (the same on every rank) and the driver's metrics of them."""
+
+    samples: list[TrainSample]
+    metrics: dict[str, float] = field(default_factory=dict)
+    """Rollout, reward and data metrics and the driver's ``time/rollout_s``, ``time/reward_s``
+    (empty on the other ranks, which log nothing)."""
+
+
+class Driver(abc.ABC):
+    """What the RL loop asks of the sample producer. Every rank calls every method in the same
+    order; methods marked collective must be called by every rank."""
+
+    @abc.abstractmethod
+    def start(self, step: int, data_state: Optional[dict]) -> None:
+        """Begin at RL step ``step``; ``data_state`` is the :meth:`state_dict` saved in the
+        checkpoint a resumed run starts from (None: a fresh run). Opens the log sinks (a resumed
+        run drops the records from ``step`` on: they belong to the run that was interrupted)."""
+
+    @abc.abstractmethod
+    def rollout(self, step: int) -> RolloutBatch:
+        """Collective: the scored samples of RL step ``step``, on every rank."""
+
+    @abc.abstractmethod
+    def supervised_batch(self) -> list[TrainSample]:
+        """Collective: the next prompts with their reference answers as samples of advantage 1
+        (the supervised warm-up), on every rank."""
+
+    @abc.abstractmethod
+    def sync_weights(self, named_tensors: Iterator[tuple[str, Any]], version: int) -> dict:
+        """Collective: hand the trainer's weight stream (Hugging Face names, full tensors) to the
+        rollout engine as weight version ``version``. Every rank drains the stream (gathering
+        shards is collective). Returns the sync metrics."""
+
+    @abc.abstractmethod
+    def evaluate(self) -> dict[str, float]:
+        """Held-out metrics (``eval/...``) of the current weights (empty on the other ranks)."""
+
+    @abc.abstractmethod
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        """Record a step's metrics (metrics.jsonl, TensorBoard, progress bar)."""
+
+    @property
+    @abc.abstractmethod
+    def records(self) -> list[dict]:
+        """Every metric record logged so far (empty on the other ranks)."""
+
+    @abc.abstractmethod
+    def state_dict(self) -> dict:
+        """What a checkpoint must hold to resume the data where it stopped."""
+
+    def close(self) -> None:  # noqa: B027 - nothing to release by default
+        """Release the rollout engine, reward workers and log sinks."""
+
+    def __enter__(self) -> Driver:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+
+def build_driver(cfg: TrainConfig, *, rank: int) -> Driver:
+    """The driver of global rank ``rank``: the :class:`RolloutDriver` on rank 0."""
+    if rank == 0:
+        return RolloutDriver(cfg)
+    return DriverFollower()
+
+
+def broadcast_samples(samples: Optional[list[TrainSample]]) -> list[TrainSample]:
+    """Rank 0's samples on every rank (pickled over the default group; small next to a step)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return samples
+    payload = [samples]
+    dist.broadcast_object_list(payload, src=0)
+    return payload[0]
+
+
+# ----------------------------------------------------------------------------------------------
+# Global rank 0
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Task:
+    """Prompts, tokenizer and held-out prompts of a run."""
+
+    tokenizer: Any
+    stream: Any
+    eval_prompts: list
+    eos_token_id: Optional[int]
+
+
+def build_task(cfg: TrainConfig) -> Task:
+    from megatron_gspo.data import build_eval_prompts, build_prompt_stream, build_tokenizer
+
+    tokenizer = build_tokenizer(cfg.data, cfg.model)
+    vocab = len(tokenizer)
+    if vocab > cfg.model.vocab_size:
+        raise ConfigError(
+            "model.vocab_size",
+            f"the tokenizer has {vocab} tokens but model.vocab_size={cfg.model.vocab_size}",
+            "every token id must have an embedding row",
+            f"set model.vocab_size >= {vocab}",
+        )
+    stream = build_prompt_stream(cfg.data, cfg.algo, tokenizer, seed=cfg.seed)
+    eval_prompts = build_eval_prompts(cfg.data, cfg.algo, tokenizer, seed=cfg.seed)
+    return Task(tokenizer, stream, eval_prompts, getattr(tokenizer, "eos_token_id", None))
+
+
+def build_rollout(cfg: TrainConfig) -> RolloutEngine:
+    from megatron_gspo.rollout.factory import build_rollout_engine
+
+    return build_rollout_engine(
+        cfg.rollout,
+        cfg.model,
+        seed=cfg.seed,
+        enable_routed_experts=cfg.algo.routing_replay == "r3",
+        work_dir=os.path.join(cfg.output_dir, "rollout"),
+    )
+
+
+class RolloutDriver(Driver):
+    """Global rank 0: the task, the rollout engine, the reward functions and the logs."""
+
+    def __init__(self, cfg: TrainConfig):
+        from megatron_gspo.reward import RewardRunner
+
+        self.cfg = cfg
+        self.task = build_task(cfg)
+        self.rewards: RewardRunner = RewardRunner(cfg.reward)
+        self.rollout_engine: RolloutEngine = build_rollout(cfg)
+        self.logger: Optional[MetricsLogger] = None
+        self._records: list[dict] = []
+
+    def start(self, step: int, data_state: Optional[dict]) -> None:
+        if data_state is not None:
+            self.task.stream.load_state_dict(data_state)
+        self.logger = MetricsLogger(
+            self.cfg.output_dir,
+            self.cfg.logging,
+            total_steps=self.cfg.steps,
+            start_step=step,
+            run_config=to_dict(self.cfg),
+        )
+
+    def rollout(self, step: int) -> RolloutBatch:
+        started = time.perf_counter()
+        prompts = self.task.stream.next_batch(self.cfg.algo.rollout_batch_size)
+        samples, sample_prompts = generate(self.rollout_engine, self.task, prompts, self.cfg, step)
+        generated = time.perf_counter()
+        reward_stats = score(samples, sample_prompts, self.rewards, self.task)
+        samples = broadcast_samples(samples)
+        metrics = {
+            **rollout_metrics(samples),
+            **reward_stats,
+            **self.task.stream.stats(),
+            "time/rollout_s": generated - started,
+            "time/reward_s": time.perf_counter() - generated,
+        }
+        return RolloutBatch(samples, metrics)
+
+    def supervised_batch(self) -> list[TrainSample]:
+        prompts = self.task.stream.next_batch(self.cfg.algo.rollout_batch_size)
+        return broadcast_samples([reference_sample(prompt, self.task) for prompt in prompts])
+
+    def sync_weights(self, named_tensors: Iterator[tuple[str, Any]], version: int) -> dict:
+        from megatron_gspo.rollout import sync_weights_paused
+
+        stats = sync_weights_paused(self.rollout_engine, named_tensors, version)
+        return {
+            "weight_sync_s": stats.seconds,
+            "weight_sync_bytes": float(stats.num_bytes),
+            "weight_sync_tensors": float(stats.num_tensors),
+            "weight_sync_buckets": float(stats.num_buckets),
+        }
+
+    def evaluate(self) -> dict[str, float]:
+        return evaluate(self.rollout_engine, self.task, self.rewards, self.cfg)
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        self.logger.log(step, metrics)
+        self._records.append({"step": step, **metrics})
+
+    @property
+    def records(self) -> list[dict]:
+        return self._records
+
+    def state_dict(self) -> dict:
+        return self.task.stream.state_dict()
+
+    def close(self) -> None:
+        if self.logger is not None:
+            self.logger.close()
+        self.rollout_engine.close()
+        self.rewards.close()
+
+
+# ----------------------------------------------------------------------------------------------
+# The other ranks
+# ----------------------------------------------------------------------------------------------
+
+
+class DriverFollower(Driver):
+    """Every rank but 0: receives the driver's samples and drains the weight stream."""
+
+    def start(self, step: int, data_state: Optional[dict]) -> None:
+        pass
+
+    def rollout(self, step: int) -> RolloutBatch:
+        return RolloutBatch(broadcast_samples(None))
+
+    def supervised_batch(self) -> list[TrainSample]:
+        return broadcast_samples(None)
+
+    def sync_weights(self, named_tensors: Iterator[tuple[str, Any]], version: int) -> dict:
+        for _ in named_tensors:
+            pass
+        return {}
+
+    def evaluate(self) -> dict[str, float]:
+        return {}
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        pass
+
+    @property
+    def records(self) -> list[dict]:
+        return []
+
+    def state_dict(self) -> dict:
+        return {}
+
+
+# ----------------------------------------------------------------------------------------------
+# Generating, scoring, evaluating (rank 0)
+# ----------------------------------------------------------------------------------------------
+
+
+def generate(
+    rollout: RolloutEngine,
+    task: Task,
+    prompts: list[Prompt],
+    cfg: TrainConfig,
+    step: int,
+    *,
+    temperature: Optional[float] = None,
+    group_size: Optional[int] = None,
+    return_routes: Optional[bool] = None,
+) -> tuple[list[TrainSample], list[Prompt]]:
+    """``num_return_sequences_in_group`` responses per prompt, as :class:`TrainSample`\\ s, and
+    the prompt of each sample.
+
+    Sampling seeds derive from (run seed, step, prompt), so a resumed run samples exactly what the
+    uninterrupted one would. An aborted request keeps its sample with an empty loss mask and a
+    group of its own (advantage 0): it is counted, never trained on. ``temperature`` (0: greedy),
+    ``group_size`` and ``return_routes`` override the training settings (evaluation uses them;
+    they are arguments, not a modified config, because the config rejects ``temperature=0``).
+    """
+    if temperature is None:
+        temperature = cfg.rollout.temperature
+    if group_size is None:
+        group_size = cfg.algo.num_return_sequences_in_group
+    if return_routes is None:
+        return_routes = cfg.algo.routing_replay == "r3"
+    from megatron_gspo.rollout import GenerateRequest
+
+    base_seed = cfg.rollout.seed if cfg.rollout.seed is not None else cfg.seed
+    requests = [
+        GenerateRequest(
+            input_ids=prompt.prompt_ids,
+            max_new_tokens=cfg.algo.response_length,
+            temperature=temperature,
+            top_p=cfg.rollout.top_p,
+            top_k=cfg.rollout.top_k,
+            stop_token_ids=[task.eos_token_id] if task.eos_token_id is not None else [],
+            min_new_tokens=cfg.rollout.min_new_tokens,
+            seed=(base_seed * 1_000_003 + step) * 100_003 + index,
+            return_logprob=True,
+            return_routed_experts=return_routes,
+        )
+        for index, prompt in enumerate(prompts)
+    ]
+    # Results are prompt-major: sample i answers prompt i // group_size.
+    results = rollout.generate(requests, n=group_size)
+    samples, sample_prompts = [], []
+    for index, result in enumerate(results):
+        prompt = prompts[index // group_size]
+        tokens = torch.tensor(list(prompt.prompt_ids) + list(result.output_ids), dtype=torch.long)
+        aborted = result.finish_reason == "abort"
+        routes = result.routed_experts
+        samples.append(
+            TrainSample(
+                tokens=tokens,
+                prompt_length=len(prompt.prompt_ids),
+                group_id=-1 - index if aborted else prompt.group_id,
+                loss_mask=torch.zeros(len(result.output_ids), dtype=torch.bool)
+                if aborted
+                else None,
+                rollout_log_probs=None
+                if result.output_log_probs is None
+                else torch.as_tensor(result.output_log_probs, dtype=torch.float32),
+                rollout_routes=None if routes is None else torch.from_numpy(routes),
+                finish_reason=result.finish_reason,
+                weight_version=result.weight_version,
+            )
+        )
+        sample_prompts.append(prompt)
+    if any(s.finish_reason == "abort" for s in samples):
+        logger.warning(
+            "%d of %d rollout samples were aborted; they are kept out of the loss",
+            sum(s.finish_reason == "abort" for s in samples),
+            len(samples),
+        )
+    return samples, sample_prompts
+
+
+def score(
+    samples: list[TrainSample], prompts: list[Prompt], rewards: RewardRunner, task: Task
+) -> dict[str, float]:
+    """Score every sample against its prompt (``prompts[i]`` for ``samples[i]``); failures are
+    counted in the returned metrics and logged by the runner."""
+    from megatron_gspo.reward import RewardInput
+
+    inputs = []
+    for sample, prompt in zip(samples, prompts):
+        response_ids = sample.tokens[sample.prompt_length :].tolist()
+        inputs.append(
+            RewardInput(
+                prompt=prompt.prompt_text,
+                response=task.tokenizer.decode(response_ids, skip_special_tokens=True),
+                answer=prompt.answer,
+                metadata=prompt.metadata,
+                prompt_ids=list(prompt.prompt_ids),
+                response_ids=response_ids,
+                finish_reason=sample.finish_reason,
+            )
+        )
+    result = rewards.score(inputs)
+    for sample, reward in zip(samples, result.rewards):
+        sample.reward = float(reward)
+    return {
+        k: float(v) for k, v in result.metrics.items() if k not in ("reward_mean", "reward_max")
+    }
+
+
+def evaluate(
+    rollout: RolloutEngine, task: Task, rewards: RewardRunner, cfg: TrainConfig
+) -> dict[str, float]:
+    """Held-out prompts: greedy accuracy, mean reward and pass@k of sampled responses.
+
+    A response counts as correct when its reward reaches ``eval.correct_reward``.
+    """
+    prompts = task.eval_prompts
+    if not prompts:
+        return {}
+    samples_per_prompt = cfg.eval.num_samples
+    metrics = {}
+    for name, temperature, n in (
+        ("greedy", 0.0, 1),
+        ("sampled", cfg.eval.temperature, samples_per_prompt),
+    ):
+        samples, sample_prompts = generate(
+            rollout,
+            task,
+            prompts,
+            cfg,
+            step=-1,
+            temperature=temperature,
+            group_size=n,
+            return_routes=False,
+        )
+        score(samples, sample_prompts, rewards, task)
+        correct = [s.reward >= cfg.eval.correct_reward for s in samples]
+        metrics[f"eval/{name}_reward_mean"] = sum(s.reward for s in samples) / len(samples)
+        if name == "greedy":
+            metrics["eval/greedy_accuracy"] = sum(correct) / len(correct)
+        else:
+            for k in sorted({1, n}):
+                values = [
+                    pass_at_k(n, sum(correct[i * n : (i + 1) * n]), k) for i in range(len(prompts))
+                ]
+                metrics[f"eval/pass@{k}"] = sum(values) / len(values)
+    return metrics
+
+
+def reference_sample(prompt: Prompt, task: Task) -> TrainSample:
+    """The prompt followed by its reference answer (and EOS), advantage 1: a supervised sample."""
+    if prompt.answer is None:
+        raise ValueError(
+            f"sft_warmup_steps > 0 but the prompt at {prompt.source} has no answer to imitate; "
+            "set sft_warmup_steps=0 or give the data an answer column"
+        )
+    answer_ids = task.tokenizer.encode(prompt.answer, add_special_tokens=False)
+    eos = [task.eos_token_id] if task.eos_token_id is not None else []
+    return TrainSample(
+        tokens=torch.tensor(list(prompt.prompt_ids) + answer_ids + eos, dtype=torch.long),
+        prompt_length=len(prompt.prompt_ids),
+        group_id=prompt.group_id,
+        advantages=torch.tensor(1.0),
+    )
