@@ -30,7 +30,10 @@ from megatron_gspo.metrics import MetricsLogger, pass_at_k, rollout_metrics
 from megatron_gspo.samples import TrainSample
 
 if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
     from megatron_gspo.data.prompts import Prompt
+    from megatron_gspo.data.stream import PromptStream
     from megatron_gspo.reward import RewardRunner
     from megatron_gspo.rollout import RolloutEngine
 
@@ -124,9 +127,9 @@ def broadcast_samples(samples: Optional[list[TrainSample]]) -> list[TrainSample]
 class Task:
     """Prompts, tokenizer and held-out prompts of a run."""
 
-    tokenizer: Any
-    stream: Any
-    eval_prompts: list
+    tokenizer: PreTrainedTokenizerBase
+    stream: PromptStream
+    eval_prompts: list[Prompt]
     eos_token_id: Optional[int]
 
 

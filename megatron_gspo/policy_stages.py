@@ -19,6 +19,7 @@ from megatron_gspo.samples import TrainSample
 
 if TYPE_CHECKING:
     from megatron_gspo.driver import Driver
+    from megatron_gspo.engine.train_step import TrainEngine
 
 logger = logging.getLogger(__name__)
 
@@ -28,7 +29,7 @@ logger = logging.getLogger(__name__)
 # ----------------------------------------------------------------------------------------------
 
 
-def set_old_log_probs(engine, samples: list[TrainSample], algo: AlgoConfig) -> None:
+def set_old_log_probs(engine: TrainEngine, samples: list[TrainSample], algo: AlgoConfig) -> None:
     """Fill ``old_log_probs`` (and ``ref_log_probs`` when a KL term needs them).
 
     recompute: one forward of the training engine (R2 records routes there); rollout: the
@@ -112,7 +113,7 @@ def mini_batches(
 
 
 def update_policy(
-    engine, samples: list[TrainSample], algo: AlgoConfig, *, seed: int, step: int
+    engine: TrainEngine, samples: list[TrainSample], algo: AlgoConfig, *, seed: int, step: int
 ) -> dict[str, float]:
     """``ppo_epochs`` x ``num_mini_batches`` optimizer steps; metrics averaged over the steps
     (``*_max`` take the max, ``skipped`` counts)."""
@@ -129,7 +130,7 @@ def update_policy(
 # ----------------------------------------------------------------------------------------------
 
 
-def sft_warmup(engine, driver: Driver, cfg: TrainConfig) -> dict[str, float]:
+def sft_warmup(engine: TrainEngine, driver: Driver, cfg: TrainConfig) -> dict[str, float]:
     """``sft_warmup_steps`` optimizer steps of maximum likelihood on reference answers.
 
     It reuses the policy update: with advantage 1 and old log-probs equal to the current ones,

@@ -8,10 +8,14 @@ import logging
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 from megatron_gspo.algo import RunningMoments
 from megatron_gspo.config import TrainConfig
+
+if TYPE_CHECKING:
+    from megatron_gspo.engine.model import PolicyModel
+    from megatron_gspo.engine.train_step import TrainEngine
 
 logger = logging.getLogger(__name__)
 
@@ -46,7 +50,7 @@ def resolve_model(cfg: TrainConfig) -> TrainConfig:
     return dataclasses.replace(cfg, model=resolve_model_config(cfg.model))
 
 
-def initial_weights_loader(cfg: TrainConfig) -> Optional[Callable[[list], Any]]:
+def initial_weights_loader(cfg: TrainConfig) -> Optional[Callable[[list[PolicyModel]], Any]]:
     """What sets the initial weights after seed initialisation: a Megatron checkpoint
     (``checkpoint.load_path``, any layout), the HF directory (``model.hf_path``, each rank reading
     its own shards), or nothing (the seed alone)."""
@@ -65,7 +69,7 @@ def checkpoint_root(cfg: TrainConfig) -> str:
     return os.path.join(cfg.output_dir, "checkpoints")
 
 
-def save_checkpoint(engine, cfg: TrainConfig, run_state: dict) -> str:
+def save_checkpoint(engine: TrainEngine, cfg: TrainConfig, run_state: dict) -> str:
     """Collective: a checkpoint of step ``run_state["step"]`` (see ``engine/checkpoint.py``)."""
     from megatron_gspo.engine.checkpoint import save_checkpoint as save
 
@@ -78,7 +82,7 @@ def save_checkpoint(engine, cfg: TrainConfig, run_state: dict) -> str:
     )
 
 
-def resume_checkpoint(engine, cfg: TrainConfig) -> Optional[dict]:
+def resume_checkpoint(engine: TrainEngine, cfg: TrainConfig) -> Optional[dict]:
     """The run state of the latest whole checkpoint in ``output_dir`` (None: start fresh)."""
     from megatron_gspo.engine.checkpoint import load_checkpoint, resumable_checkpoint
 
