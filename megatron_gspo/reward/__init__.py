@@ -18,7 +18,12 @@ from megatron_gspo.reward.functions import (
     reward_specs,
 )
 from megatron_gspo.reward.runner import RewardFailure, RewardResult, RewardRunner
-from megatron_gspo.reward.sandbox import SandboxLimits, SandboxResult, run_python
+from megatron_gspo.reward.sandbox import (
+    SandboxLimits,
+    SandboxResult,
+    SandboxUnavailableError,
+    run_python,
+)
 
 __all__ = [
     "BUILTIN_REWARDS",
@@ -29,6 +34,7 @@ __all__ = [
     "RewardSpec",
     "SandboxLimits",
     "SandboxResult",
+    "SandboxUnavailableError",
     "load_reward_function",
     "reward_specs",
     "run_python",

@@ -1,29 +1,133 @@
 """Code reward: run the response's Python against the sample's tests, only in the sandbox
-(:mod:`megatron_gspo.reward.sandbox`).
+(:mod:`megatron_gspo.reward.sandbox`), and score only what the sandbox cannot fake.
 
-``metadata[tests_key]`` (``tests`` by default) holds the tests, in one of three forms:
+``metadata[tests_key]`` (``tests`` by default) holds the tests in one of three forms. The first
+two are judged outside the sandbox, against expected values that never enter it, so the
+response's code can pass them only by computing the right answers:
 
-- a string of Python test code (e.g. asserts, HumanEval's ``check``), run after the solution in
-  the same program: 1.0 if it exits with status 0, else 0.0;
-- a list of strings (MBPP's ``test_list``): joined into one test program, scored the same way;
-- a list of ``{"input": ..., "output": ...}`` cases: the solution runs once per case with the
-  input on stdin; the score is the fraction of cases whose stdout equals the output (trailing
-  whitespace of each line ignored).
+- **stdin/stdout cases** (APPS, CodeContests, LiveCodeBench stdin problems): a list of
+  ``{"input": str, "output": str}``, or ``{"inputs": [str, ...], "outputs": [str, ...]}``. The
+  program runs once per case with the input on stdin and must exit with status 0; the case
+  passes when its stdout equals the output (trailing whitespace of each line and blank lines
+  at the ends ignored). Score: the fraction of cases passed.
+- **function-call cases** (TACO/APPS ``fn_name``, LiveCodeBench functional problems):
+  ``{"fn_name": name, "inputs": [[arg, ...], ...], "outputs": [value, ...]}``. A driver defines
+  the program's functions (as module ``solution``, so a ``__main__`` block does not run), calls
+  ``name(*inputs[i])`` (or ``Solution().name`` for a class-style solution) for each case and
+  prints each return value as JSON; outside, a case passes when the JSON value equals
+  ``outputs[i]`` exactly (tuples compare as lists; no float tolerance). Score: the fraction.
+- **test code** (HumanEval's ``check``, MBPP's ``test_list``): a string of Python, or a list of
+  strings joined into one. The program and then the tests run in one namespace (``__main__``)
+  under a driver, which prints a random per-call token as the last line of stdout only after
+  the last test returned; 1.0 when the run exits with status 0 and the token is the last line,
+  else 0.0. An early ``sys.exit(0)``/``os._exit(0)``, an exception swallowed at exit or a killed
+  process scores 0. This form cannot be judged outside: the tests' expected values run in the
+  same interpreter as the code, which can also introspect the interpreter (read the token from
+  memory, return objects whose ``==`` is always true). Prefer the two forms above for RL against
+  a policy that searches for exploits; ``docs/code-sandbox.md`` has the details.
 
-Each sandboxed run gets ``timeout_s`` of wall clock and CPU; keep ``reward.timeout_s`` above
-``timeout_s`` x cases, or the runner stops the call first (counted as a time-out).
+A response without code scores 0; a sample without tests, or with tests in none of these forms,
+raises (a data error, counted by the runner). Each sandboxed run gets ``timeout_s`` of wall
+clock and CPU: one run per stdin/stdout case, one run for the function-call cases, one for test
+code; keep ``reward.timeout_s`` above ``timeout_s`` x cases. Where the kernel cannot isolate
+code, the call raises :class:`~megatron_gspo.reward.sandbox.SandboxUnavailableError` (and the
+runner stops at start, see :func:`check_code_reward`); ``isolation="none"`` runs it without
+isolation, for trusted code only.
 """
 
 from __future__ import annotations
 
+import json
 import re
+import secrets
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from megatron_gspo.config import ConfigError
 from megatron_gspo.reward.functions import RewardInput
-from megatron_gspo.reward.sandbox import SandboxLimits, run_python
+from megatron_gspo.reward.sandbox import (
+    ISOLATION_MODES,
+    SandboxLimits,
+    SandboxUnavailableError,
+    check_isolation,
+    run_python,
+)
 
 _FENCE = re.compile(r"```[ \t]*([A-Za-z0-9_+-]*)[ \t]*\n(.*?)```", re.DOTALL)
+
+# The drivers run as /sandbox/main.py with the program in solution.py beside it.
+_TEST_CODE_DRIVER = r"""
+import builtins, os, sys, traceback
+
+def _main(exec=exec, compile=compile, write=os.write, exit_now=os._exit, dict=dict):
+    # Everything the driver calls after the program ran is bound here, before it runs: a program
+    # that replaces builtins.exec or os._exit changes nothing for the driver.
+    # The token and the tests (their expected values) are read, then removed, before the
+    # program runs: it cannot find them on disk.
+    with open("token") as handle:
+        token = handle.read().strip()
+    with open("tests.py", encoding="utf-8") as handle:
+        tests = compile(handle.read(), "tests.py", "exec")
+    os.remove("token")
+    os.remove("tests.py")
+    with open("solution.py", encoding="utf-8") as handle:
+        program = compile(handle.read(), "solution.py", "exec")
+    pristine_builtins = dict(vars(builtins))
+    namespace = {"__name__": "__main__", "__builtins__": builtins}
+    try:
+        exec(program, namespace)
+        # The tests see the program's names, and builtins as they were before it ran.
+        exec(tests, dict(namespace, __builtins__=pristine_builtins))
+    except BaseException:  # SystemExit included: exiting early is not passing
+        traceback.print_exc()
+        sys.stderr.flush()
+        exit_now(1)
+    try:
+        sys.stdout.flush()
+    except BaseException:
+        pass
+    write(1, ("\n" + token + "\n").encode())
+    exit_now(0)  # the program's atexit handlers cannot print after the token
+
+_main()
+"""
+
+_FUNCTION_CALL_DRIVER = r"""
+import json, os, sys, traceback
+
+def _main():
+    token, name = sys.argv[1], sys.argv[2]
+    with open("inputs.json", encoding="utf-8") as handle:
+        inputs = json.load(handle)
+    with open("solution.py", encoding="utf-8") as handle:
+        program = handle.read()
+    namespace = {"__name__": "solution", "__builtins__": __builtins__}
+    try:
+        exec(compile(program, "solution.py", "exec"), namespace)
+        function = namespace.get(name)
+        if function is None and isinstance(namespace.get("Solution"), type):
+            function = getattr(namespace["Solution"](), name)
+        if not callable(function):
+            raise NameError(f"the program defines no function {name!r}")
+    except BaseException:
+        traceback.print_exc()
+        sys.stderr.flush()
+        os._exit(1)
+    for index, arguments in enumerate(inputs):
+        try:
+            line = json.dumps(function(*arguments))
+        except BaseException:
+            traceback.print_exc()
+            line = "!"
+        try:
+            sys.stdout.flush()
+        except BaseException:
+            pass
+        os.write(1, f"\n{token} {index} {line}\n".encode())
+    os._exit(0)
+
+_main()
+"""
 
 
 def extract_code(response: str) -> str:
@@ -43,13 +147,19 @@ def _same_output(actual: str, expected: str) -> bool:
     return lines(actual) == lines(expected)
 
 
+def _as_json_value(value: Any) -> Any:
+    """``value`` as the JSON round trip gives it (tuples become lists)."""
+    return json.loads(json.dumps(value))
+
+
 def code_reward(
     sample: RewardInput,
     *,
     timeout_s: float = 5.0,
     memory_mb: int = 1024,
     tests_key: str = "tests",
-    network_isolation: str = "auto",
+    isolation: str = "bubblewrap",
+    max_processes: int = 8,
 ) -> float:
     """Score of the response's code on the sample's tests (forms and scores in the module
     docstring). A response without code scores 0; a sample without tests raises (a data error)."""
@@ -59,6 +169,7 @@ def code_reward(
             f"the code reward needs tests in metadata[{tests_key!r}] (keys present: "
             f"{sorted(sample.metadata)})"
         )
+    form = _test_form(tests, tests_key)
     code = extract_code(sample.response)
     if not code.strip():
         return 0.0
@@ -66,23 +177,117 @@ def code_reward(
         wall_time_s=timeout_s,
         cpu_time_s=max(1, int(timeout_s + 0.999)),
         memory_mb=memory_mb,
-        network_isolation=network_isolation,
+        max_processes=max_processes,
+        isolation=isolation,
     )
-    if isinstance(tests, str):
-        return float(run_python(f"{code}\n\n{tests}\n", limits=limits).passed)
-    if isinstance(tests, Sequence) and tests and all(isinstance(test, str) for test in tests):
-        return float(run_python(code + "\n\n" + "\n".join(tests) + "\n", limits=limits).passed)
-    if isinstance(tests, Sequence) and tests and all(_is_io_case(test) for test in tests):
+    if form == "stdio":
+        if isinstance(tests, Mapping):
+            tests = [{"input": i, "output": o} for i, o in zip(tests["inputs"], tests["outputs"])]
         passed = 0
         for case in tests:
             result = run_python(code, stdin=str(case["input"]), limits=limits)
             passed += result.passed and _same_output(result.stdout, str(case["output"]))
         return passed / len(tests)
+    if form == "function_call":
+        return _function_call_score(code, tests, limits)
+    test_code = tests if isinstance(tests, str) else "\n".join(tests)
+    token = secrets.token_hex(16)
+    result = run_python(
+        _TEST_CODE_DRIVER,
+        limits=limits,
+        files={"solution.py": code, "tests.py": test_code + "\n", "token": token},
+    )
+    last_line = result.stdout_tail.rstrip("\n").rpartition("\n")[2]
+    return float(result.passed and last_line == token)
+
+
+def _function_call_score(code: str, tests: Mapping[str, Any], limits: SandboxLimits) -> float:
+    inputs, outputs = tests["inputs"], tests["outputs"]
+    token = secrets.token_hex(16)
+    result = run_python(
+        _FUNCTION_CALL_DRIVER,
+        limits=limits,
+        files={"solution.py": code, "inputs.json": json.dumps(list(inputs))},
+        argv=[token, str(tests["fn_name"])],
+    )
+    # Lines the driver printed: "<token> <case> <json>", each case at most once. A case printed
+    # twice (the program forging lines) counts as failed.
+    answers: dict[int, list[str]] = {}
+    for line in result.stdout.splitlines() + result.stdout_tail.splitlines():
+        head, _, rest = line.partition(" ")
+        if head == token:
+            index, _, value = rest.partition(" ")
+            if index.isdigit():
+                answers.setdefault(int(index), []).append(value)
+    passed = 0
+    for index, expected in enumerate(outputs):
+        values = set(answers.get(index, ()))
+        if len(values) != 1:
+            continue
+        (value,) = values
+        try:
+            passed += value != "!" and json.loads(value) == _as_json_value(expected)
+        except ValueError:
+            continue
+    return passed / len(outputs)
+
+
+def _test_form(tests: Any, tests_key: str) -> str:
+    """``stdio``, ``function_call`` or ``test_code``; ValueError for anything else."""
+    if isinstance(tests, str):
+        return "test_code"
+    if isinstance(tests, Mapping) and {"inputs", "outputs"} <= set(tests):
+        inputs, outputs = tests["inputs"], tests["outputs"]
+        if isinstance(inputs, Sequence) and isinstance(outputs, Sequence):
+            if len(inputs) != len(outputs) or not inputs:
+                raise ValueError(
+                    f"metadata[{tests_key!r}] has {len(inputs)} inputs and {len(outputs)} "
+                    "outputs; give one output per input, at least one case"
+                )
+            if "fn_name" not in tests:
+                return "stdio"
+            if all(isinstance(arguments, list) for arguments in inputs):
+                return "function_call"
+    if isinstance(tests, Sequence) and tests:
+        if all(isinstance(test, str) for test in tests):
+            return "test_code"
+        if all(_is_io_case(test) for test in tests):
+            return "stdio"
     raise ValueError(
-        f"metadata[{tests_key!r}] must be test code (a string), a list of test strings, or a list "
-        f'of {{"input": ..., "output": ...}} cases; got {type(tests).__name__} {str(tests)[:80]!r}'
+        f"metadata[{tests_key!r}] must be test code (a string or a list of strings), "
+        '[{"input": ..., "output": ...}, ...], {"inputs": [...], "outputs": [...]} or '
+        '{"fn_name": ..., "inputs": [[args], ...], "outputs": [...]}; got '
+        f"{type(tests).__name__} {str(tests)[:80]!r}"
     )
 
 
 def _is_io_case(test: Any) -> bool:
     return isinstance(test, Mapping) and "input" in test and "output" in test
+
+
+def check_code_reward(*, isolation: str = "bubblewrap", **_other_options: Any) -> None:
+    """Called once by the runner at start: a :class:`ConfigError` when ``isolation`` is unknown
+    or the kernel cannot provide it here (the run stops before its first step rather than
+    scoring every sample as a failure)."""
+    if isolation not in ISOLATION_MODES:
+        raise ConfigError(
+            "reward.options.code.isolation",
+            f"{isolation!r} is not one of {list(ISOLATION_MODES)}",
+            "generated code runs under bubblewrap, or without isolation when it is trusted",
+            "set isolation=bubblewrap (the default), or none for trusted code only",
+        )
+    if isolation == "none":
+        return
+    try:
+        check_isolation()
+    except SandboxUnavailableError as error:
+        raise ConfigError(
+            "reward.options.code.isolation",
+            "the code sandbox cannot isolate code on this machine",
+            str(error),
+            "install bubblewrap and allow unprivileged user namespaces (docs/code-sandbox.md), "
+            "or set reward.options.code.isolation=none if every program it runs is trusted",
+        ) from None
+
+
+code_reward.check = check_code_reward  # type: ignore[attr-defined]  # see functions.py

@@ -5,6 +5,11 @@ and come from ``reward.options[name]``. It may raise; the runner counts and logs
 scores ``reward.failure_reward`` (see :mod:`megatron_gspo.reward.runner`). It must return a finite
 number.
 
+A function may carry a ``check`` attribute: a callable taking the same keyword options, called
+once when the runner starts, that raises :class:`ConfigError` when the function cannot work on
+this machine (the code reward checks that its sandbox can isolate code here), so that the run
+stops at start instead of failing every call.
+
 Names: a built-in (:data:`BUILTIN_REWARDS`) or an import path ``package.module:function``.
 """
 

@@ -60,7 +60,8 @@ class RewardRunner:
     """The configured reward functions and a worker pool to call them in.
 
     Construction resolves every function (unknown names, failing imports and unknown options
-    raise :class:`ConfigError`) and starts the workers. Use as a context manager, or call
+    raise :class:`ConfigError`), runs their start-up checks (``check``, see
+    :mod:`megatron_gspo.reward.functions`; the code reward's sandbox) and starts the workers. Use as a context manager, or call
     :meth:`close`.
     """
 
@@ -81,6 +82,10 @@ class RewardRunner:
         # Resolving here, in the trainer, makes a bad name fail at start-up (with the valid names)
         # rather than in a worker; thread workers then call these very functions.
         functions = [load_reward_function(spec) for spec in self.specs]
+        for spec, function in zip(self.specs, functions):
+            check = getattr(getattr(function, "func", function), "check", None)
+            if check is not None:
+                check(**spec.options)
         if config.executor == "thread":
             self.pool = ThreadPool(functions, config.num_workers, config.timeout_s)
         else:

@@ -1,36 +1,46 @@
-"""Run untrusted Python (a model's code) in a constrained child process.
+"""Run untrusted Python (a model's code) in a child process that the kernel confines.
 
-What is enforced, and by what:
+The threat model, what is enforced and by what, and how to run it on a cluster are in
+``docs/code-sandbox.md``. In short, with ``isolation="bubblewrap"`` (the default):
 
-===========================  ==================================================================
-CPU time                     ``RLIMIT_CPU`` (SIGXCPU, then SIGKILL one second later)
-memory                       ``RLIMIT_AS`` (allocations fail: MemoryError)
-file size, open files, core  ``RLIMIT_FSIZE`` (also caps stdout/stderr), ``RLIMIT_NOFILE``,
-                             ``RLIMIT_CORE`` = 0
-wall clock                   the parent kills the child's whole process group after
-                             ``wall_time_s``
-working directory            a fresh temporary directory, removed afterwards (with everything the
-                             code wrote in it)
-environment                  scrubbed: PATH, HOME/TMPDIR = the work dir, LANG, single-threaded
-                             BLAS; Python runs isolated (``-I``: no PYTHON* variables, no user
-                             site, no script directory on sys.path)
-network                      kernel: a new, empty network namespace (``unshare --net``, as root,
-                             or ``unshare --map-root-user --net`` with user namespaces) when
-                             available; always also Python: an audit hook refuses every
-                             ``socket.*`` event
-processes                    audit hook refuses fork, exec, spawn, ``os.system``, subprocess,
-                             ``os.kill``; the child dies with its parent (PR_SET_PDEATHSIG)
-files outside the work dir   audit hook refuses opening for writing, creating, removing,
-                             renaming, chmod/chown and links outside the work dir (reads are
-                             allowed: imports need them)
-escape hatches               audit hook refuses importing or using ``ctypes``, raising resource
-                             limits, and adding audit hooks
-===========================  ==================================================================
+=============================  ===============================================================
+who                            uid 65534 with no capabilities and ``no_new_privs``; under a
+                               root trainer also host uid 65534 (see below)
+namespaces                     new user, PID, mount, network, IPC, UTS and cgroup namespaces
+                               (``bwrap --unshare-all``); further user namespaces disabled
+processes                      every process of the call lives in its PID namespace and dies
+                               with it (``--die-with-parent``); ``RLIMIT_NPROC`` caps their
+                               number, counted per sandbox (per user namespace)
+file system                    a read-only view of the system directories and of this
+                               Python's installation, a fresh ``/proc`` and read-only ``/dev``;
+                               the writable places are ``/sandbox`` (the working directory,
+                               holding the program's files) and ``/dev/shm``, tmpfs mounts of
+                               ``max_scratch_mb`` each that vanish with the sandbox; the rest
+                               of the machine (homes, /tmp, /run, data, checkpoints, other
+                               sandboxes) is not there
+network                        an empty network namespace: only its own loopback
+system calls                   a seccomp filter (:mod:`megatron_gspo.reward.seccomp`) where
+                               libseccomp is installed
+CPU, memory, files, output     ``RLIMIT_CPU``, ``RLIMIT_AS``, ``RLIMIT_FSIZE`` (also caps
+                               stdout/stderr), ``RLIMIT_NOFILE``, no core dumps
+wall clock                     the sandbox's first process is killed after ``wall_time_s``,
+                               which takes every process of the sandbox with it
+environment                    a fixed minimal one (no variable of the trainer's), Python
+                               isolated (``-I -S``: no PYTHON* variables, no ``.pth`` files)
+=============================  ===============================================================
 
-The audit hook (PEP 578) is Python-level: native extension code can bypass it. It stops
-accidents and naive misbehaviour of model-written code, not a determined attacker; the network
-namespace and the resource limits are kernel-enforced. For adversarial code at scale, run the
-reward workers in a container or gVisor.
+When the trainer runs as root, bubblewrap's user namespace would map the sandbox's uid to host
+uid 0, which still owns root's files and is exempt from ``RLIMIT_NPROC``. So as root a first,
+privileged bubblewrap builds the read-only view (it can read root-only paths such as a Python
+under ``/root``), ``setpriv`` drops to host uid 65534 with no capabilities, and an unprivileged
+bubblewrap inside makes the namespaces above. As any other user, the unprivileged bubblewrap
+alone does the same.
+
+Where the kernel refuses (no bubblewrap, user namespaces disabled, a container's seccomp
+profile), :func:`run_python` raises :class:`SandboxUnavailableError` with the reason and the
+fix; it never runs the code with less isolation. ``isolation="none"`` is the explicit opt-out
+for trusted code: only the resource limits, the scratch directory and the clean environment
+remain.
 """
 
 from __future__ import annotations
@@ -40,92 +50,54 @@ import logging
 import os
 import shutil
 import signal
+import site
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Union
+
+from megatron_gspo.reward.bubblewrap import (
+    SANDBOX_UID,
+    SCRATCH,
+    SandboxUnavailableError,
+    bwrap_features,
+    bwrap_path,
+    end_sandbox,
+    open_sandbox_init,
+    sandbox_command,
+)
+from megatron_gspo.reward.seccomp import sandbox_filter
 
 logger = logging.getLogger(__name__)
 
-NETWORK_ISOLATION_MODES = ("auto", "namespace", "python")
+ISOLATION_MODES = ("bubblewrap", "none")
 
-# Runs in the child before the user's code; argv: [-c, script, cpu_s, memory_bytes, file_bytes,
-# max_open_files]. Kept free of imports beyond the standard library.
+# Runs in the sandbox before the user's program; argv: [-c, cpu_s, memory_bytes, file_bytes,
+# max_open_files, max_processes, site_dirs, script, *script_args]. Standard library only.
 _BOOTSTRAP = r"""
 import os, resource, sys
 
-def _set_limits(cpu_s, memory_bytes, file_bytes, max_open_files):
-    resource.setrlimit(resource.RLIMIT_CPU, (cpu_s, cpu_s + 1))
-    resource.setrlimit(resource.RLIMIT_AS, (memory_bytes, memory_bytes))
-    resource.setrlimit(resource.RLIMIT_FSIZE, (file_bytes, file_bytes))
-    resource.setrlimit(resource.RLIMIT_NOFILE, (max_open_files, max_open_files))
-    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-
-def _die_with_parent():
-    import ctypes
-    parent = os.getppid()
-    ctypes.CDLL(None, use_errno=True).prctl(1, 9, 0, 0, 0)  # PR_SET_PDEATHSIG, SIGKILL
-    if os.getppid() != parent:  # the parent died before prctl took effect
-        os._exit(137)
-    # Forget ctypes so that importing it again goes through the guard's import check.
-    for name in [name for name in sys.modules if name.partition(".")[0] in ("ctypes", "_ctypes")]:
-        del sys.modules[name]
-
-def _install_guard(workdir):
-    workdir = os.path.realpath(workdir)
-    blocked_imports = {"ctypes", "_ctypes"}
-    blocked_events = {
-        "os.fork", "os.forkpty", "os.exec", "os.posix_spawn", "os.spawn", "os.system",
-        "subprocess.Popen", "os.kill", "os.killpg", "pty.spawn", "resource.setrlimit",
-        "resource.prlimit", "sys.addaudithook",
-    }
-    path_events = {
-        "os.remove", "os.rmdir", "os.mkdir", "os.rename", "os.chmod", "os.chown", "os.chflags",
-        "os.link", "os.symlink", "os.truncate", "os.utime", "os.mkfifo", "os.mknod",
-        "shutil.rmtree", "shutil.copyfile", "shutil.copytree", "shutil.move",
-    }
-    write_flags = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND
-    realpath, join, getcwd, fspath = os.path.realpath, os.path.join, os.getcwd, os.fspath
-
-    def inside(path):
-        if isinstance(path, int):
-            return True
-        path = fspath(path)
-        if isinstance(path, bytes):
-            path = path.decode("utf-8", "surrogateescape")
-        full = realpath(join(getcwd(), path))
-        return full == workdir or full.startswith(workdir + os.sep) or full == "/dev/null"
-
-    def guard(event, args):
-        if event.startswith(("socket.", "ctypes.")) or event in blocked_events:
-            raise PermissionError(f"sandbox: {event} is not allowed")
-        if event == "import" and args[0].partition(".")[0] in blocked_imports:
-            raise ImportError(f"sandbox: importing {args[0]} is not allowed")
-        if event == "open":
-            path, mode, flags = args
-            writes = (mode is not None and any(c in mode for c in "wax+")) or (
-                isinstance(flags, int) and flags & write_flags
-            )
-            if writes and path is not None and not inside(path):
-                raise PermissionError(f"sandbox: writing {path!r} outside the work dir")
-        elif event in path_events:
-            for path in args[:2]:
-                if isinstance(path, (str, bytes, os.PathLike)) and not inside(path):
-                    raise PermissionError(f"sandbox: {event} on {path!r} outside the work dir")
-
-    sys.addaudithook(guard)
-
 def _main():
+    cpu_s, memory_bytes, file_bytes, open_files, processes, site_dirs, script = sys.argv[1:8]
+    for limit, value in (
+        (resource.RLIMIT_AS, int(memory_bytes)),
+        (resource.RLIMIT_FSIZE, int(file_bytes)),
+        (resource.RLIMIT_NOFILE, int(open_files)),
+        (resource.RLIMIT_CORE, 0),
+    ):
+        resource.setrlimit(limit, (value, value))
+    resource.setrlimit(resource.RLIMIT_CPU, (int(cpu_s), int(cpu_s) + 1))
+    if int(processes) > 0:
+        resource.setrlimit(resource.RLIMIT_NPROC, (int(processes), int(processes)))
+    # Third-party packages without running their .pth files (-S): faster and nothing executes.
+    sys.path.extend(path for path in site_dirs.split(os.pathsep) if path)
+    sys.argv = [script, *sys.argv[8:]]
     import runpy
-    script, cpu_s, memory_bytes, file_bytes, max_open_files = sys.argv[1:6]
-    _die_with_parent()
-    _set_limits(int(cpu_s), int(memory_bytes), int(file_bytes), int(max_open_files))
-    _install_guard(os.getcwd())
-    sys.argv = [script]
     runpy.run_path(script, run_name="__main__")
 
 _main()
@@ -139,23 +111,38 @@ class SandboxLimits:
     wall_time_s: float = 10.0
     cpu_time_s: int = 10
     memory_mb: int = 1024
-    """Address-space limit (virtual memory; Python itself needs about 30 MB)."""
+    """Address-space limit per process (virtual memory; Python itself needs about 30 MB). The
+    memory one call can take is bounded by ``memory_mb * max_processes``."""
     max_output_bytes: int = 64 * 1024
     """Of stdout and of stderr kept in the result; the rest is dropped (``output_truncated``)."""
     max_file_mb: int = 16
     """Largest file the code may write (stdout/stderr included)."""
     max_open_files: int = 64
-    network_isolation: str = "auto"
-    """auto: a network namespace where the kernel allows one, else the Python guard only;
-    namespace: require the namespace (RuntimeError if unavailable); python: the guard only."""
+    max_scratch_mb: int = 64
+    """Size of the writable scratch directory (and of /dev/shm): tmpfs mounts in memory, so a
+    program cannot fill the host's disk. Not enforced with ``isolation="none"``."""
+    max_processes: int = 8
+    """Processes and threads of the sandbox user, counted per sandbox (the sandbox's first
+    process included): a fork bomb stops here. Not enforced with ``isolation="none"``."""
+    isolation: str = "bubblewrap"
+    """bubblewrap: the kernel isolation of the module docstring (fails closed where the kernel
+    refuses); none: no isolation, for trusted code only."""
 
     def __post_init__(self) -> None:
-        if self.network_isolation not in NETWORK_ISOLATION_MODES:
+        if self.isolation not in ISOLATION_MODES:
             raise ValueError(
-                f"network_isolation={self.network_isolation!r}; choose one of "
-                f"{', '.join(NETWORK_ISOLATION_MODES)}"
+                f"isolation={self.isolation!r}; choose one of {', '.join(ISOLATION_MODES)}"
             )
-        for name in ("wall_time_s", "cpu_time_s", "memory_mb", "max_output_bytes", "max_file_mb"):
+        for name in (
+            "wall_time_s",
+            "cpu_time_s",
+            "memory_mb",
+            "max_output_bytes",
+            "max_file_mb",
+            "max_open_files",
+            "max_scratch_mb",
+            "max_processes",
+        ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"SandboxLimits.{name} must be > 0, got {getattr(self, name)}")
 
@@ -165,16 +152,17 @@ class SandboxResult:
     """What a sandboxed run did."""
 
     returncode: Optional[int]
-    """Exit status; negative = killed by that signal; None = killed by the wall-clock limit."""
+    """Exit status; negative = killed by that signal (under bubblewrap, an exit status above 128
+    counts as one, as in a shell); None = killed by the wall-clock limit."""
     stdout: str
     stderr: str
     timed_out: bool
     output_truncated: bool
     wall_s: float
-    network_isolation: str
-    """``namespace`` or ``python``: what actually isolated the network in this run."""
-    workdir: str
-    """The temporary directory the code ran in (removed when the run ended)."""
+    isolation: str
+    """``bubblewrap`` or ``none``: what confined this run."""
+    stdout_tail: str = ""
+    """The last 4 KiB of stdout, kept even when ``stdout`` was truncated."""
 
     @property
     def passed(self) -> bool:
@@ -190,137 +178,137 @@ class SandboxResult:
 
 
 @lru_cache(maxsize=1)
-def namespace_command() -> Optional[tuple[str, ...]]:
-    """The ``unshare`` prefix that gives a child an empty network namespace here, or None.
-
-    Probed once per process: as root ``unshare --net``; otherwise an unprivileged user namespace
-    (``--map-root-user``), which many distributions and container runtimes disable.
-    """
-    unshare = shutil.which("unshare")
-    if unshare is None:
-        return None
-    candidates = [(unshare, "--net")] if os.geteuid() == 0 else []
-    candidates.append((unshare, "--map-root-user", "--net"))
-    for prefix in candidates:
-        try:
-            probe = subprocess.run(
-                [*prefix, sys.executable, "-I", "-c", "import socket; socket.create_connection"],
-                capture_output=True,
-                timeout=30,
-            )
-        except (OSError, subprocess.TimeoutExpired):
-            continue
-        if probe.returncode == 0:
-            return prefix
-    logger.warning(
-        "sandbox: no network namespace can be created here (needs unshare and root or user "
-        "namespaces); network access from sandboxed code is blocked only by the Python audit hook"
-    )
-    return None
+def site_directories() -> tuple[str, ...]:
+    """The interpreter's site-packages directories (third-party packages the code may import)."""
+    return tuple(path for path in site.getsitepackages() if os.path.isdir(path))
 
 
-def _network_prefix(mode: str) -> tuple[tuple[str, ...], str]:
-    if mode == "python":
-        return (), "python"
-    prefix = namespace_command()
-    if prefix is None:
-        if mode == "namespace":
-            raise RuntimeError(
-                "network_isolation='namespace' but no network namespace can be created here "
-                "(unshare is missing, or neither root nor user namespaces are available); use "
-                "network_isolation='auto' or 'python', or run as root / in a container"
-            )
-        return (), "python"
-    return prefix, "namespace"
+# --------------------------------------------------------------------------------------------
+# Running
+# --------------------------------------------------------------------------------------------
 
 
-def _sandbox_environment(workdir: str) -> dict[str, str]:
+def _sandbox_environment(home: str) -> dict[str, str]:
     return {
         "PATH": "/usr/local/bin:/usr/bin:/bin",
-        "HOME": workdir,
-        "TMPDIR": workdir,
+        "HOME": home,
+        "TMPDIR": home,
         "LANG": "C.UTF-8",
         "PYTHONDONTWRITEBYTECODE": "1",
         "PYTHONHASHSEED": "0",
         # One thread per library: threaded BLAS reserves address space per thread, which the
-        # memory limit counts.
+        # memory limit counts, and threads count as processes.
         "OMP_NUM_THREADS": "1",
         "OPENBLAS_NUM_THREADS": "1",
         "MKL_NUM_THREADS": "1",
     }
 
 
-def _read_capped(path: Path, limit: int) -> tuple[str, bool]:
+def _read_capped(path: Path, limit: int) -> tuple[str, bool, str]:
+    """(the first ``limit`` bytes, whether there was more, the last 4 KiB)."""
     with path.open("rb") as handle:
         data = handle.read(limit + 1)
-    return data[:limit].decode("utf-8", errors="replace"), len(data) > limit
-
-
-def _kill_group(process: subprocess.Popen) -> None:
-    # The child leads its own session; anything it started (if the guard was bypassed) is in it.
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(process.pid, signal.SIGKILL)
+        size = handle.seek(0, os.SEEK_END)
+        handle.seek(max(0, size - 4096))
+        tail = handle.read()
+    text = data[:limit].decode("utf-8", errors="replace")
+    return text, len(data) > limit, tail.decode("utf-8", errors="replace")
 
 
 def run_python(
-    source: str, *, stdin: str = "", limits: Optional[SandboxLimits] = None
+    source: str,
+    *,
+    stdin: str = "",
+    limits: Optional[SandboxLimits] = None,
+    files: Optional[Mapping[str, str]] = None,
+    argv: Sequence[str] = (),
 ) -> SandboxResult:
-    """Run ``source`` as ``__main__`` in the sandbox described in the module docstring.
+    """Run ``source`` as ``__main__`` (``/sandbox/main.py``) confined as the module docstring
+    says, with ``stdin`` as its standard input, ``files`` (name -> text) written into the
+    scratch directory beside it and ``argv`` as its ``sys.argv[1:]``.
 
-    ``stdin`` is the program's standard input. Returns how the run ended; never raises for
-    anything the code does (errors are in ``returncode``/``stderr``).
+    Returns how the run ended; never raises for anything the code does (errors are in
+    ``returncode``/``stderr``). Raises :class:`SandboxUnavailableError` when the kernel cannot
+    provide the isolation asked for.
     """
     limits = limits or SandboxLimits()
-    prefix, isolation = _network_prefix(limits.network_isolation)
+    if limits.isolation == "bubblewrap":
+        check_isolation()
+    return _run(source, stdin=stdin, limits=limits, files=files, argv=argv)
+
+
+def _run(
+    source: str,
+    *,
+    stdin: str = "",
+    limits: SandboxLimits,
+    files: Optional[Mapping[str, str]] = None,
+    argv: Sequence[str] = (),
+) -> SandboxResult:
+    """:func:`run_python` without the availability check (which itself runs a probe here)."""
+    isolated = limits.isolation == "bubblewrap"
+    files = {**(files or {}), "main.py": source}
+    for name in files:
+        if os.sep in name or name.startswith(".") or not name:
+            raise ValueError(f"sandbox file name {name!r} must be a plain name")
     root = Path(tempfile.mkdtemp(prefix="megatron_gspo_sandbox_"))
-    workdir = root / "work"
-    workdir.mkdir()
-    script = workdir / "main.py"
-    script.write_text(source, encoding="utf-8")
     (root / "stdin").write_text(stdin, encoding="utf-8")
-    command = [
-        *prefix,
+    home = SCRATCH
+    workdir: Optional[Path] = None
+    if not isolated:  # no tmpfs of its own: a directory on the host
+        workdir = root / "work"
+        workdir.mkdir()
+        for name, text in files.items():
+            (workdir / name).write_text(text, encoding="utf-8")
+        home = str(workdir)
+    program = [
         sys.executable,
         "-I",
+        "-S",
         "-c",
         _BOOTSTRAP,
-        str(script),
         str(int(limits.cpu_time_s)),
         str(int(limits.memory_mb) * 1024 * 1024),
         str(int(limits.max_file_mb) * 1024 * 1024),
         str(int(limits.max_open_files)),
+        # Without its own user namespace the count would be the trainer user's, machine-wide.
+        str(int(limits.max_processes) if isolated else 0),
+        os.pathsep.join(site_directories()),
+        f"{home}/main.py",
+        *argv,
     ]
-    start = time.monotonic()
-    timed_out = False
+    pass_fds: list[int] = []
+    info_read: Optional[int] = None
+    command = program
     try:
-        with (
-            (root / "stdin").open("rb") as stdin_file,
-            (root / "stdout").open("wb") as stdout_file,
-            (root / "stderr").open("wb") as stderr_file,
-        ):
-            process = subprocess.Popen(
-                command,
-                cwd=workdir,
-                env=_sandbox_environment(str(workdir)),
-                stdin=stdin_file,
-                stdout=stdout_file,
-                stderr=stderr_file,
-                start_new_session=True,
-                close_fds=True,
+        if isolated:
+            file_fds = {name: _memory_file(name, text) for name, text in files.items()}
+            pass_fds += file_fds.values()
+            seccomp = sandbox_filter()
+            seccomp_fd = _memory_file("seccomp", seccomp) if seccomp is not None else None
+            if seccomp_fd is not None:
+                pass_fds.append(seccomp_fd)
+            info_read, info_write = os.pipe()
+            pass_fds.append(info_write)
+            command = sandbox_command(
+                file_fds, limits.max_scratch_mb * 1024 * 1024, seccomp_fd, info_write, program
             )
-            try:
-                returncode: Optional[int] = process.wait(timeout=limits.wall_time_s)
-            except subprocess.TimeoutExpired:
-                timed_out = True
-                returncode = None
-                _kill_group(process)
-                process.wait()
-            finally:
-                _kill_group(process)
-        wall_s = time.monotonic() - start
-        stdout, stdout_truncated = _read_capped(root / "stdout", limits.max_output_bytes)
-        stderr, stderr_truncated = _read_capped(root / "stderr", limits.max_output_bytes)
+        returncode, timed_out, wall_s = _run_command(
+            command, root, workdir or root, home, pass_fds, info_read, limits.wall_time_s
+        )
+        if isolated and returncode is not None and returncode > 128:
+            # bwrap exits with 128 + N when the code was killed by signal N (as a shell does).
+            returncode = 128 - returncode
+        stdout, stdout_truncated, stdout_tail = _read_capped(
+            root / "stdout", limits.max_output_bytes
+        )
+        stderr, stderr_truncated, _ = _read_capped(root / "stderr", limits.max_output_bytes)
     finally:
+        for descriptor in pass_fds:
+            with contextlib.suppress(OSError):
+                os.close(descriptor)
+        if info_read is not None:
+            os.close(info_read)
         shutil.rmtree(root, onerror=_make_removable)
         if root.exists():
             logger.warning("sandbox: could not remove %s", root)
@@ -331,9 +319,66 @@ def run_python(
         timed_out=timed_out,
         output_truncated=stdout_truncated or stderr_truncated,
         wall_s=wall_s,
-        network_isolation=isolation,
-        workdir=str(workdir),
+        isolation=limits.isolation,
+        stdout_tail=stdout_tail,
     )
+
+
+def _memory_file(name: str, content: Union[str, bytes]) -> int:
+    """A descriptor of an in-memory file holding ``content`` (bwrap copies it into the
+    sandbox), positioned at its start."""
+    descriptor = os.memfd_create(f"megatron_gspo_{name}")
+    data = content.encode("utf-8") if isinstance(content, str) else content
+    view = memoryview(data)
+    while view:
+        view = view[os.write(descriptor, view) :]
+    os.lseek(descriptor, 0, os.SEEK_SET)
+    return descriptor
+
+
+def _run_command(
+    command: Sequence[str],
+    root: Path,
+    cwd: Path,
+    home: str,
+    pass_fds: Sequence[int],
+    info_read: Optional[int],
+    wall_time_s: float,
+) -> tuple[Optional[int], bool, float]:
+    """Run with ``root/stdin`` as stdin and ``root/stdout``, ``root/stderr`` as outputs; kill
+    it after ``wall_time_s``. Returns (exit status or None, timed out, wall seconds)."""
+    start = time.monotonic()
+    timed_out = False
+    with (
+        (root / "stdin").open("rb") as stdin_file,
+        (root / "stdout").open("wb") as stdout_file,
+        (root / "stderr").open("wb") as stderr_file,
+    ):
+        process = subprocess.Popen(
+            command,
+            cwd=cwd,
+            env=_sandbox_environment(home),
+            stdin=stdin_file,
+            stdout=stdout_file,
+            stderr=stderr_file,
+            start_new_session=True,
+            close_fds=True,
+            pass_fds=tuple(pass_fds),
+        )
+        deadline = start + wall_time_s
+        init = open_sandbox_init(process, info_read, deadline) if info_read is not None else None
+        try:
+            returncode: Optional[int] = process.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            timed_out = True
+            returncode = None
+        finally:
+            # Killing the init takes the whole PID namespace with it; bwrap's own group too.
+            end_sandbox(init, kill=timed_out)
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+    return returncode, timed_out, time.monotonic() - start
 
 
 def _make_removable(function, path, _exc_info) -> None:
@@ -344,3 +389,42 @@ def _make_removable(function, path, _exc_info) -> None:
         function(path)
     except OSError:
         pass
+
+
+# --------------------------------------------------------------------------------------------
+# Is the isolation available here?
+# --------------------------------------------------------------------------------------------
+
+
+@lru_cache(maxsize=4)
+def _probe(bwrap: Optional[str]) -> Optional[str]:
+    """None when a probe program ran confined as expected with ``bwrap``, else why not."""
+    try:
+        bwrap_features(bwrap)
+    except SandboxUnavailableError as error:
+        return str(error)
+    limits = SandboxLimits(wall_time_s=60.0, isolation="bubblewrap")
+    result = _run("import os; print(os.getuid(), os.getpid())", limits=limits)
+    if result.passed and result.stdout.split() == [str(SANDBOX_UID), "2"]:
+        return None
+    detail = (result.stderr.strip() or result.stdout.strip() or "no output")[-2000:]
+    return (
+        f"bubblewrap could not start a sandbox here (exit status {result.returncode}): {detail}\n"
+        "The code sandbox needs unprivileged user namespaces (sysctls "
+        "kernel.unprivileged_userns_clone=1 where it exists, user.max_user_namespaces > 0; on "
+        "Ubuntu 23.10+ kernel.apparmor_restrict_unprivileged_userns=0 or an AppArmor profile "
+        "that allows bwrap) and, inside a container, a seccomp and AppArmor profile that "
+        "allow them (e.g. docker run --security-opt seccomp=unconfined --security-opt "
+        "apparmor=unconfined), plus a /proc that is not partly masked (--security-opt "
+        "systempaths=unconfined). See docs/code-sandbox.md. For code you trust, set the code "
+        "reward's isolation option to 'none' (reward.options.code.isolation=none)."
+    )
+
+
+def check_isolation() -> None:
+    """Raise :class:`SandboxUnavailableError` (why, and how to fix it) unless bubblewrap can
+    confine code on this machine. Probed once per process (and bwrap path:
+    ``MEGATRON_GSPO_BWRAP`` overrides the one on PATH)."""
+    reason = _probe(bwrap_path())
+    if reason is not None:
+        raise SandboxUnavailableError(reason)
