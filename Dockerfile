@@ -47,11 +47,20 @@ ENV PYTHONUNBUFFERED=1 \
 
 SHELL ["/bin/bash", "-o", "pipefail", "-c"]
 
+# bubblewrap: the code reward runs generated programs in its namespaces (docs/code-sandbox.md);
+# setpriv (util-linux) and libseccomp2 come with the base. Versions follow the base's Ubuntu
+# release and its security updates, hence unpinned (DL3008).
+# hadolint ignore=DL3008
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends bubblewrap \
+    && rm -rf /var/lib/apt/lists/*
+
 # The base image constrains pip to its own torch build (/etc/pip/constraint.txt); the file written
 # here replaces it, so that every later install, sglang's own resolution included, keeps these
 # pins. Packages with C++/CUDA extensions built against the base's torch would fail to load (or
 # load and crash) against torch 2.14.1, so they go before torch is swapped; names the base does
 # not carry are skipped by pip with a warning.
+# hadolint ignore=DL3059
 RUN --mount=type=cache,target=/root/.cache/pip \
     printf '%s\n' \
         "torch==${TORCH_VERSION}" \
@@ -89,11 +98,22 @@ RUN --mount=type=cache,target=/root/.cache/pip \
         pip install --no-build-isolation "git+https://github.com/NVIDIA/apex.git@${APEX_REF}"; \
     fi
 
+# Training runs as the unprivileged user "trainer", uid and gid TRAINER_UID (USER at the end): neither the trainer nor the
+# programs a code reward runs get root in the container. TRAINER_UID lets files written to mounted
+# directories (outputs/) belong to the host user who starts the container; Ubuntu's default user
+# gives up uid 1000 for it.
+WORKDIR /workspace/megatron_gspo
+ARG TRAINER_UID=1000
+RUN if id -u ubuntu >/dev/null 2>&1; then userdel --remove ubuntu; fi \
+    && groupadd --gid "${TRAINER_UID}" trainer \
+    && useradd --create-home --uid "${TRAINER_UID}" --gid trainer --shell /bin/bash trainer \
+    && mkdir -p outputs \
+    && chown trainer:trainer outputs
+
 # Third-party dependencies of megatron_gspo[gpu] (sglang with its kernels, megatron-core, ...),
 # resolved from setup.py alone so that editing the package's source does not invalidate this
 # slow layer. A stub package stands in for the source until the next step. The versions are pinned
 # in setup.py's "gpu" extra and the constraints file, which hadolint cannot see (DL3013).
-WORKDIR /workspace/megatron_gspo
 COPY setup.py pyproject.toml ./
 # hadolint ignore=DL3013
 RUN --mount=type=cache,target=/root/.cache/pip \
@@ -111,3 +131,5 @@ pins = dict(line.split('==') for line in open(os.environ['PIP_CONSTRAINT']).read
 found = {name: md.version(name).split('+')[0] for name in pins}; \
 drift = {name: (pins[name], found[name]) for name in pins if found[name] != pins[name]}; \
 sys.exit(f'pinned version drifted (wanted, found): {drift}' if drift else 0)"
+
+USER ${TRAINER_UID}:${TRAINER_UID}

@@ -17,9 +17,17 @@ Environment:
   DATA_DIR     host directory mounted read-only at /data (default: /data)
   OUTPUT_ROOT  host directory mounted at /workspace/megatron_gspo/outputs, where presets write
                (default: ./outputs; on several nodes, a shared file system)
+  CODE_SANDBOX=1  let the code reward's sandbox (bubblewrap) make user namespaces in the container:
+               --security-opt seccomp=unconfined, apparmor=unconfined, systempaths=unconfined
+               (Docker's defaults refuse them; the sandbox then fails closed at start). See
+               docs/code-sandbox.md for what this trades.
   NNODES NODE_RANK MASTER_ADDR MASTER_PORT NODE_HOSTS GPUS_PER_NODE SGLANG_URLS RDZV_ID
-  MEGATRON_GSPO_OVERRIDES WANDB_API_KEY HF_HUB_OFFLINE CUDA_VISIBLE_DEVICES and every NCCL_*,
-  TORCH_NCCL_* and UCX_* variable are passed through when set.
+  MEGATRON_GSPO_OVERRIDES MEGATRON_GSPO_SGLANG_API_KEY WANDB_API_KEY HF_HUB_OFFLINE
+  CUDA_VISIBLE_DEVICES and every NCCL_*, TORCH_NCCL_* and UCX_* variable are passed through when
+  set.
+
+The image runs as the unprivileged user "trainer" (uid 1000 unless built with
+--build-arg TRAINER_UID=...): OUTPUT_ROOT must be writable by that uid.
 
 Why the flags: --ipc=host gives NCCL and PyTorch the host's shared memory (Docker's default
 64 MB /dev/shm is far too small); --network host lets torchrun, NCCL and the SGLang
@@ -58,6 +66,10 @@ docker_command=(
     -v "${DATA_DIR:-/data}:/data:ro"
     -v "$output_root:/workspace/megatron_gspo/outputs"
 )
+if [[ "${CODE_SANDBOX:-}" == 1 ]]; then
+    docker_command+=(--security-opt seccomp=unconfined --security-opt apparmor=unconfined
+        --security-opt systempaths=unconfined)
+fi
 if [[ -e /dev/infiniband ]]; then
     docker_command+=(--device /dev/infiniband --cap-add IPC_LOCK)
 fi
@@ -67,8 +79,8 @@ fi
 # `-e NAME` copies the variable's value from this environment without putting it on the command
 # line (WANDB_API_KEY stays out of `ps` and of the dry-run output).
 for name in NNODES NODE_RANK MASTER_ADDR MASTER_PORT NODE_HOSTS GPUS_PER_NODE SGLANG_URLS \
-    RDZV_ID MEGATRON_GSPO_OVERRIDES WANDB_API_KEY HF_HUB_OFFLINE SLURM_NNODES SLURM_NODEID \
-    CUDA_VISIBLE_DEVICES; do
+    RDZV_ID MEGATRON_GSPO_OVERRIDES MEGATRON_GSPO_SGLANG_API_KEY WANDB_API_KEY HF_HUB_OFFLINE \
+    SLURM_NNODES SLURM_NODEID CUDA_VISIBLE_DEVICES; do
     if [[ -n "${!name:-}" ]]; then
         docker_command+=(-e "$name")
     fi

@@ -175,6 +175,24 @@ def test_version_drift_check_of_the_build(tmp_path: Path) -> None:
     assert "pytest" in drifted.stderr and "0.0.1" in drifted.stderr
 
 
+def test_training_runs_as_an_unprivileged_user_with_bubblewrap() -> None:
+    """The image's last USER is the non-root user a RUN creates (by number, so that the runtime
+    need not resolve it), and the code sandbox's bubblewrap is installed."""
+    users = [arguments for keyword, arguments in instructions() if keyword == "USER"]
+    assert users, "the image has no USER: training would run as root"
+    assert instructions()[-1][0] == "USER", "the last instruction must set the user"
+    user, _, group = users[-1].partition(":")
+    args = build_args()
+    uid = args.get(user.strip("${}"), user)
+    assert uid.isdigit() and int(uid) != 0, f"USER {users[-1]} is root or not numeric"
+    assert group and args.get(group.strip("${}"), group) == uid
+    creating = [command for command in runs() if "useradd" in command]
+    assert len(creating) == 1 and '--uid "${TRAINER_UID}"' in creating[0]
+    assert "chown trainer:trainer outputs" in creating[0]  # where the presets write
+    installs = [command for command in runs() if "apt-get install" in command]
+    assert any(re.search(r"\bbubblewrap\b", command) for command in installs)
+
+
 def test_dockerignore_keeps_what_the_build_copies() -> None:
     patterns = [
         line.strip()

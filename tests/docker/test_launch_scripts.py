@@ -183,6 +183,13 @@ def test_docker_run_flags_and_secret_handling() -> None:
     assert command[command.index("WANDB_API_KEY") - 1] == "-e"
     assert "NCCL_DEBUG" in command
     assert command[-3:] == ["megatron-gspo:test", "echo", "hi"]
+    assert "--security-opt" not in command
+    env.update(CODE_SANDBOX="1", MEGATRON_GSPO_SGLANG_API_KEY="key-not-printed")
+    (command,) = commands(run_script("docker_run.sh", "--dry-run", "echo", "hi", env=env))
+    options = [command[i + 1] for i, word in enumerate(command) if word == "--security-opt"]
+    assert options == ["seccomp=unconfined", "apparmor=unconfined", "systempaths=unconfined"]
+    assert "key-not-printed" not in " ".join(command)
+    assert command[command.index("MEGATRON_GSPO_SGLANG_API_KEY") - 1] == "-e"
 
 
 # --------------------------------------------------------------------------------------------

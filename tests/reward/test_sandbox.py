@@ -18,6 +18,9 @@ TRUSTED = SandboxLimits(wall_time_s=10.0, cpu_time_s=2, memory_mb=512, isolation
 
 
 def run(code: str, limits: SandboxLimits = FAST, **options):
+    """The result; under bubblewrap where it cannot isolate, None after asserting the error."""
+    if limits.isolation == "none":
+        return run_python(code, limits=limits, **options)
     return isolated_or_fail_closed(lambda: run_python(code, limits=limits, **options))
 
 
