@@ -10,7 +10,8 @@ logs) calls :func:`check_before_start`, which checks
 - the model directory (``model.hf_path``) and ``checkpoint.load_path``,
 - the prompt files (every malformed row with its file and line), the tokenizer and that its ids
   fit ``model.vocab_size``,
-- the reward functions (names, imports, options),
+- the reward functions (names, imports, options, their start-up checks: the code reward's
+  sandbox),
 - the SGLang servers (reachable) or what launching them needs,
 
 and raises one :class:`StartupErrors` listing each problem as what / why / how to fix.
@@ -184,11 +185,17 @@ def _resolved_model(cfg: TrainConfig):
 
 
 def _rewards(cfg: TrainConfig) -> list[ConfigError]:
-    from megatron_gspo.reward.functions import load_reward_function, reward_specs
+    from megatron_gspo.reward.functions import (
+        check_reward_function,
+        load_reward_function,
+        reward_specs,
+    )
 
     errors = []
     for spec in reward_specs(cfg.reward.functions, cfg.reward.weights, cfg.reward.options):
-        errors += _collect(lambda spec=spec: load_reward_function(spec))
+        errors += _collect(
+            lambda spec=spec: check_reward_function(spec, load_reward_function(spec))
+        )
     return errors
 
 

@@ -113,6 +113,14 @@ def load_reward_function(spec: RewardSpec) -> Callable[[RewardInput], float]:
     return functools.partial(function, **spec.options) if spec.options else function
 
 
+def check_reward_function(spec: RewardSpec, function: Callable[[RewardInput], float]) -> None:
+    """Run the start-up ``check`` of ``function`` (see the module docstring), if it has one,
+    with the spec's options; it raises :class:`ConfigError` when the function cannot work here."""
+    check = getattr(getattr(function, "func", function), "check", None)
+    if check is not None:
+        check(**spec.options)
+
+
 def _check_options(key: str, function: Callable, options: Mapping[str, Any]) -> None:
     try:
         parameters = inspect.signature(function).parameters

@@ -18,7 +18,12 @@ from dataclasses import dataclass, field
 
 from megatron_gspo.config import ConfigError, RewardConfig
 from megatron_gspo.health import RunStopped
-from megatron_gspo.reward.functions import RewardInput, load_reward_function, reward_specs
+from megatron_gspo.reward.functions import (
+    RewardInput,
+    check_reward_function,
+    load_reward_function,
+    reward_specs,
+)
 from megatron_gspo.reward.pool import ProcessPool, ThreadPool
 
 logger = logging.getLogger(__name__)
@@ -83,9 +88,7 @@ class RewardRunner:
         # rather than in a worker; thread workers then call these very functions.
         functions = [load_reward_function(spec) for spec in self.specs]
         for spec, function in zip(self.specs, functions):
-            check = getattr(getattr(function, "func", function), "check", None)
-            if check is not None:
-                check(**spec.options)
+            check_reward_function(spec, function)
         if config.executor == "thread":
             self.pool = ThreadPool(functions, config.num_workers, config.timeout_s)
         else:
