@@ -13,13 +13,40 @@ die() {
     exit 2
 }
 
-# Prints a command the way a user would type it (each word shell-quoted).
+# Prints a command the way a user would type it (each word shell-quoted), the value of
+# --api-key replaced by *** (logs and dry runs must not carry the secret).
 print_command() {
-    local word quoted=()
+    local word quoted=() hide=false
     for word in "$@"; do
+        if [[ "$hide" == true ]]; then
+            word='***'
+            hide=false
+        elif [[ "$word" == --api-key ]]; then
+            hide=true
+        elif [[ "$word" == --api-key=* ]]; then
+            word='--api-key=***'
+        fi
         quoted+=("$(printf '%q' "$word")")
     done
     printf '%s\n' "${quoted[*]}"
+}
+
+# sglang_api_key SHARED
+# The secret of the SGLang servers these scripts start (their --api-key) and of the trainer's
+# calls to them, in MEGATRON_GSPO_SGLANG_API_KEY (megatron_gspo/rollout/auth.py). A single node
+# makes a fresh one when it is unset; with SHARED=true (servers on several nodes, one trainer
+# talking to all of them) every node needs the same one, so it must be set.
+sglang_api_key() {
+    local shared="$1"
+    if [[ -n "${MEGATRON_GSPO_SGLANG_API_KEY:-}" ]]; then
+        export MEGATRON_GSPO_SGLANG_API_KEY
+        return
+    fi
+    if [[ "$shared" == true ]]; then
+        die "colocated SGLang on several nodes needs MEGATRON_GSPO_SGLANG_API_KEY: the same secret on every node (the servers refuse calls without it), e.g. export MEGATRON_GSPO_SGLANG_API_KEY=\$(openssl rand -hex 32) once and pass it to every node through the scheduler's environment"
+    fi
+    MEGATRON_GSPO_SGLANG_API_KEY="$("$PYTHON" -c 'import secrets; print(secrets.token_urlsafe(32))')"
+    export MEGATRON_GSPO_SGLANG_API_KEY
 }
 
 # read_config PRESET WORLD_SIZE [OVERRIDE...]
@@ -80,6 +107,7 @@ import shlex
 import sys
 
 from megatron_gspo.config_loader import load_config, overrides_from_env
+from megatron_gspo.rollout.auth import api_key_from_environment
 from megatron_gspo.rollout.sglang_launcher import build_launch_command
 
 host, port, preset, extra_count = sys.argv[1], int(sys.argv[2]), sys.argv[3], int(sys.argv[4])
@@ -101,6 +129,7 @@ try:
         mem_fraction_static=rollout.sglang_mem_fraction,
         enable_return_routed_experts=config.algo.routing_replay == "r3",
         extra_args=[*rollout.sglang_extra_args, *extra],
+        api_key=api_key_from_environment(),
     )
 except ValueError as error:
     sys.exit(f"error: cannot start SGLang with this configuration: {error}")

@@ -29,6 +29,9 @@ Settings (environment variable, or the option):
   GPUS_PER_NODE --gpus N            trainer processes per node (default: 8)
   RDZV_ID       --rdzv-id ID        rendezvous id, the same on all nodes (default: megatron_gspo)
   SGLANG_URLS   --sglang-url URL    dedicated servers (comma-separated / repeatable option)
+  MEGATRON_GSPO_SGLANG_API_KEY      the SGLang servers' --api-key, the same on every node:
+                                    required for colocated SGLang, and for dedicated servers
+                                    started with a key (sglang_server.sh uses it)
 
 Options:
   --preset NAME|PATH    preset in examples/moe/ or a YAML path (default: qwen3_30b_a3b_gspo_4node)
@@ -72,8 +75,10 @@ if [[ "$SGLANG_MODE" == colocated ]]; then
     for host in "${node_hosts[@]}"; do
         colocated_urls+=("http://$host:$SGLANG_PORT")
     done
-    # Listen on this node's cluster address only: the servers have no authentication.
+    # Listen on this node's cluster address only (HTTP carries the key and the weights in the
+    # clear), and require the key every node shares.
     sglang_host="${SGLANG_BIND_HOST:-${node_hosts[$NODE_RANK]}}"
+    sglang_api_key true
 fi
 rollout_overrides_for "$SGLANG_MODE" "${colocated_urls[@]}"
 

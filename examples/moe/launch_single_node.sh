@@ -48,7 +48,12 @@ parse_launch_args false usage "$@"
 PRESET="${PRESET:-qwen3_30b_a3b_gspo_1node}"
 read_config "$PRESET" "$GPUS_PER_NODE" "${OVERRIDES[@]}"
 default_sglang_mode
-# On one node nothing else needs to reach the colocated server: it listens on loopback only.
+# On one node nothing else needs to reach the colocated server: it listens on loopback only, and
+# requires a key made for this run (unless MEGATRON_GSPO_SGLANG_API_KEY is set) that the trainer
+# inherits.
+if [[ "$SGLANG_MODE" == colocated ]]; then
+    sglang_api_key false
+fi
 rollout_overrides_for "$SGLANG_MODE" "http://127.0.0.1:$SGLANG_PORT"
 
 # Hydra lets the last override win, so the user's own key=value arguments come last.

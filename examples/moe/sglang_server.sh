@@ -29,8 +29,9 @@ Options:
 
 key=value arguments are Hydra overrides of the preset (rollout.sglang_tp=4, ...); arguments after
 `--` go to sglang.launch_server unchanged (e.g. -- --base-gpu-id 4 --moe-a2a-backend deepep).
-Select GPUs with CUDA_VISIBLE_DEVICES; SGLang serves no authentication, so bind it to a network
-that only the cluster can reach.
+Select GPUs with CUDA_VISIBLE_DEVICES. Set MEGATRON_GSPO_SGLANG_API_KEY (the same for the
+trainer): the server then refuses calls without it (--api-key). HTTP carries the key and the
+weights in the clear, so bind the server to a network that only the cluster can reach.
 
 Example (one 8-GPU rollout node for the 4-node GSPO preset):
   examples/moe/sglang_server.sh --preset qwen3_30b_a3b_gspo_4node --port 30000
@@ -87,6 +88,9 @@ while (($#)); do
 done
 
 read_config "$preset" 0 "${overrides[@]}"
+if [[ -z "${MEGATRON_GSPO_SGLANG_API_KEY:-}" ]]; then
+    log "warning: MEGATRON_GSPO_SGLANG_API_KEY is not set: the server accepts calls from anyone who can reach $host (weight updates included)"
+fi
 build_sglang_command "$host" "${port:-$CFG_SGLANG_PORT}" "$colocated" "${sglang_args[@]}"
 if [[ "$dry_run" == true ]]; then
     print_command "${SGLANG_COMMAND[@]}"

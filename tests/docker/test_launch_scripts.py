@@ -37,6 +37,7 @@ def run_script(name: str, *args: str, env: dict | None = None, timeout: float = 
         "SLURM_NNODES": "",
         "SLURM_NODEID": "",
         "MEGATRON_GSPO_OVERRIDES": "",
+        "MEGATRON_GSPO_SGLANG_API_KEY": "",
         **(env or {}),
     }
     return subprocess.run(
@@ -89,6 +90,7 @@ def test_single_node_colocated_commands() -> None:
         enable_return_routed_experts=False,
         extra_args=["--enable-memory-saver"],
         python_executable=sys.executable,
+        api_key="***",  # a key made for the run, never printed
     )
     assert sglang == expected
     assert trainer[:2] == ["env", "CUDA_DEVICE_MAX_CONNECTIONS=1"]
@@ -106,11 +108,13 @@ def test_multi_node_colocated_r3_commands() -> None:
         "NODE_RANK": "2",
         "MASTER_ADDR": "node0",
         "NODE_HOSTS": "node0,node1,node2,node3",
+        "MEGATRON_GSPO_SGLANG_API_KEY": "shared-secret",
     }
     result = run_script(
         "launch_multi_node.sh", "--dry-run", "--preset", "qwen3_30b_a3b_grpo_r3", env=env
     )
     sglang, trainer = commands(result)
+    assert option(sglang, "--api-key") == "***" and "shared-secret" not in result.stdout
     assert option(sglang, "--host") == "node2", "each node's server listens on its own address"
     assert "--enable-return-routed-experts" in sglang, "R3 needs the server's routed experts"
     assert "--enable-memory-saver" in sglang
@@ -139,6 +143,16 @@ def test_multi_node_dedicated_servers_switch_to_a_broadcast_transport() -> None:
     assert "rollout.weight_transport=distributed" not in trainer
 
 
+def test_dedicated_server_takes_the_key_from_the_environment() -> None:
+    env = {"MEGATRON_GSPO_SGLANG_API_KEY": "dedicated-secret"}
+    result = run_script("sglang_server.sh", "--dry-run", env=env)
+    (server,) = commands(result)
+    assert option(server, "--api-key") == "***" and "dedicated-secret" not in result.stdout
+    keyless = run_script("sglang_server.sh", "--dry-run")
+    assert "--api-key" not in commands(keyless)[0]
+    assert "MEGATRON_GSPO_SGLANG_API_KEY is not set" in keyless.stderr
+
+
 def test_cpu_preset_runs_without_sglang() -> None:
     args = ["--dry-run", "--preset", "cpu_tiny_4proc", "--gpus", "4"]
     (trainer,) = commands(run_script("launch_single_node.sh", *args))
@@ -156,6 +170,12 @@ def test_cpu_preset_runs_without_sglang() -> None:
             [],
             {"NNODES": "4", "NODE_RANK": "1", "MASTER_ADDR": "n0", "NODE_HOSTS": "n0,n1"},
             "NODE_HOSTS lists 2 addresses for NNODES=4",
+        ),
+        (
+            "launch_multi_node.sh",
+            [],
+            {"NNODES": "2", "NODE_RANK": "1", "MASTER_ADDR": "n0", "NODE_HOSTS": "n0,n1"},
+            "needs MEGATRON_GSPO_SGLANG_API_KEY: the same secret on every node",
         ),
         ("launch_single_node.sh", ["--gpus", "6"], {}, "config error at 'parallel"),
         ("launch_single_node.sh", ["algo.clip_lo=0.1"], {}, "did you mean 'clip_low'"),
@@ -232,6 +252,7 @@ from pathlib import Path
 stub = Path(os.environ["STUB_DIR"])
 stub.joinpath("trainer.argv").write_text("\\n".join(sys.argv[1:]))
 stub.joinpath("trainer.env").write_text(os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS", ""))
+stub.joinpath("trainer.key").write_text(os.environ.get("MEGATRON_GSPO_SGLANG_API_KEY", ""))
 url = next(a for a in sys.argv if a.startswith("rollout.sglang_urls=")).split("=[")[1][:-1]
 urllib.request.urlopen(url + "/health_generate", timeout=10).read()
 sys.exit(int(os.environ.get("STUB_TRAINER_EXIT", "0")))
@@ -290,6 +311,11 @@ def test_colocated_server_starts_before_the_trainer_and_stops_after_it(stand_ins
     trainer_argv = (stub / "trainer.argv").read_text().splitlines()
     assert f"rollout.sglang_urls=[http://127.0.0.1:{stand_ins['port']}]" in trainer_argv
     assert (stub / "trainer.env").read_text() == "1"  # CUDA_DEVICE_MAX_CONNECTIONS
+    # The server requires a key made for this run, the trainer has the same, no log shows it.
+    key = server_argv[server_argv.index("--api-key") + 1]
+    assert len(key) >= 32 and (stub / "trainer.key").read_text() == key
+    assert key not in result.stderr + result.stdout
+    assert "--api-key \\*\\*\\*" in result.stderr  # print_command's shell quoting of ***
     assert not process_alive(int((stub / "server.pid").read_text())), "server left running"
     assert (stub / "run" / "sglang" / "node0.log").is_file()
 
