@@ -300,6 +300,7 @@ LOSS_AGG_MODES = (
     "seq-mean-token-sum",
     "seq-mean-token-mean",
     "seq-mean-token-sum-norm",
+    "dr-grpo",
 )
 KL_ESTIMATORS = ("k1", "k2", "k3")
 OLD_LOG_PROB_SOURCES = ("recompute", "rollout", "detach")
@@ -328,7 +329,8 @@ class AlgoConfig:
     prompt_length: int = 64
     """Longest prompt in tokens; longer prompts are filtered out and counted, never truncated."""
     response_length: int = 10
-    """Most tokens generated per response; also the constant of seq-mean-token-sum-norm."""
+    """Most tokens generated per response; also the constant T_norm of the seq-mean-token-sum-norm
+    and dr-grpo aggregations."""
     ppo_epochs: int = 1
     """Passes over each rollout batch."""
     num_mini_batches: int = 4
@@ -345,8 +347,10 @@ class AlgoConfig:
     dual_clip_constant: float = 3.0
     """c of dual clip (Ye et al. 2020 use 3); must exceed 1 + clip_high."""
     loss_agg_mode: str = "seq-mean-token-mean"
-    """token-mean, seq-mean-token-sum, seq-mean-token-mean or seq-mean-token-sum-norm (Dr.GRPO,
-    divided by the constant response_length). GSPO's objective is seq-mean-token-mean."""
+    """token-mean (sum / tokens), seq-mean-token-sum (sum / sequences), seq-mean-token-mean (mean
+    over sequences of each one's token mean), seq-mean-token-sum-norm (sum / response_length, as
+    ROLL and verl; no division by the sequences) or dr-grpo (sum / (sequences x response_length),
+    TRL's dr_grpo). GSPO's objective is seq-mean-token-mean."""
     use_kl_loss: bool = False
     """Add kl_loss_coef x KL(policy || reference) to the loss (builds a frozen reference model).
     The GSPO authors run without it."""
@@ -355,6 +359,11 @@ class AlgoConfig:
     kl_estimator: str = "k3"
     """Estimator of the KL loss: k1 = lp - ref, k2 = (lp - ref)^2 / 2, k3 = exp(ref - lp) - (ref -
     lp) - 1 (Schulman 2020). ROLL hard-wires k3."""
+    kl_clamp: Optional[float] = 10.0
+    """Cap of the k3 estimate per token, clamp(k3, -kl_clamp, kl_clamp), in the KL loss and the
+    KL-in-reward term: verl's and slime's low_var_kl and ROLL's k3 clamp at 10. Beyond the cap a
+    token adds no KL gradient (without it, up to e^20 x the coefficient). null: no cap. k1 and k2
+    are never capped."""
     add_token_level_kl: bool = False
     """Subtract token_level_kl_coef x KL(old || ref) from the reward at every token (ROLL
     meaning); advantages become per token, so GSPO-token is the GSPO variant that uses them."""
@@ -414,7 +423,10 @@ class AlgoConfig:
             "algo.adv_estimator", self.adv_estimator, ADV_ESTIMATORS, "these are the estimators"
         )
         _check_choice(
-            "algo.loss_agg_mode", self.loss_agg_mode, LOSS_AGG_MODES, "these are ROLL's modes"
+            "algo.loss_agg_mode",
+            self.loss_agg_mode,
+            LOSS_AGG_MODES,
+            "these are ROLL's four modes (with ROLL's meanings) and TRL's dr_grpo",
         )
         _check_choice("algo.kl_estimator", self.kl_estimator, KL_ESTIMATORS, "Schulman's k1/k2/k3")
         _check_choice(
@@ -500,6 +512,8 @@ class AlgoConfig:
         for name in ("kl_loss_coef", "token_level_kl_coef", "entropy_coef", "std_eps"):
             _check_positive(f"algo.{name}", getattr(self, name), allow_zero=True)
         _check_positive("algo.log_ratio_clamp", self.log_ratio_clamp)
+        if self.kl_clamp is not None:
+            _check_positive("algo.kl_clamp", self.kl_clamp)
         if self.routing_replay == "r2" and self.old_log_prob_source != "recompute":
             raise ConfigError(
                 "algo.routing_replay",
@@ -558,6 +572,7 @@ class AlgoConfig:
             dual_clip_constant=self.dual_clip_constant if self.dual_clip_loss else None,
             kl_coef=self.kl_loss_coef if self.use_kl_loss else 0.0,
             kl_estimator=self.kl_estimator,
+            kl_clamp=self.kl_clamp,
             entropy_coef=self.entropy_coef,
             norm_length=self.response_length,
             log_ratio_clamp=self.log_ratio_clamp,
@@ -578,6 +593,7 @@ class AlgoConfig:
             reinforce_baseline=self.reinforce_baseline,
             token_level_kl_coef=self.token_level_kl_coef if self.add_token_level_kl else None,
             token_level_kl_estimator=self.token_level_kl_estimator,
+            kl_clamp=self.kl_clamp,
             whiten=self.whiten_advantages,
             advantage_clip=self.advantage_clip,
         )

@@ -194,6 +194,7 @@ def add_token_level_kl(
     *,
     coef: float,
     estimator: str = "k1",
+    k3_clamp: Optional[float] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """KL-in-reward (ROLL ``add_token_level_kl``): per-token advantages ``[B, T]``.
 
@@ -202,7 +203,7 @@ def add_token_level_kl(
     ``A_{i,t} = A_i - coef * sum_{t' >= t} KL_{i,t'}``. Returns ``(advantages [B, T], kl [B, T])``.
     """
     mask = response_mask.to(torch.float64)
-    kl = kl_estimate(old_log_probs.double(), ref_log_probs.double(), estimator)
+    kl = kl_estimate(old_log_probs.double(), ref_log_probs.double(), estimator, k3_clamp=k3_clamp)
     kl = torch.where(response_mask.bool(), kl, torch.zeros_like(kl))  # padding may hold inf/nan
     future_kl = torch.flip(torch.cumsum(torch.flip(kl, dims=[1]), dim=1), dims=[1])
     token_advantages = (advantages.double().unsqueeze(1) - coef * future_kl) * mask
@@ -264,6 +265,9 @@ class AdvantageSettings:
     KL(old || ref)_it'``; advantages become per token. None: off."""
     token_level_kl_estimator: str = "k1"
     """Estimator of the KL-in-reward term (:func:`megatron_gspo.algo.kl.kl_estimate`)."""
+    kl_clamp: Optional[float] = None
+    """Cap of the k3 estimate of the KL-in-reward term (as :class:`~megatron_gspo.algo.losses.
+    PolicyLossSettings`); None: no cap."""
     whiten: bool = False
     """Step 5: token-weighted whitening ``(A - mu) / sqrt(var + 1e-8)`` over the batch."""
     advantage_clip: Optional[float] = None
@@ -351,6 +355,7 @@ def compute_advantages(
             response_mask,
             coef=settings.token_level_kl_coef,
             estimator=settings.token_level_kl_estimator,
+            k3_clamp=settings.kl_clamp,
         )
         token_weights = response_mask.bool()
         metrics["token_level_kl"] = (kl * token_weights).sum() / token_weights.sum().clamp(min=1)

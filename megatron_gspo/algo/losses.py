@@ -24,8 +24,11 @@ Per token: ``pg = max(-A r, -A clip(r, 1 - eps_low, 1 + eps_high))``; with dual 
 * ``token-mean``: ``sum_it m L / N_tok``
 * ``seq-mean-token-sum``: ``sum_it m L / N_seq``
 * ``seq-mean-token-mean``: ``sum_i (sum_t m L / n_i) / N_seq``
-* ``seq-mean-token-sum-norm`` (Dr.GRPO): ``sum_it m L / (N_seq * T_norm)`` with ``T_norm`` a
-  constant (the configured response length), not the padded width, which changes with packing.
+* ``seq-mean-token-sum-norm`` (ROLL's and verl's meaning): ``sum_it m L / T_norm`` with
+  ``T_norm`` a constant (the configured response length), not the padded width, which changes
+  with packing; no division by the number of sequences (ROLL ``agg_loss``, verl ``agg_loss``).
+* ``dr-grpo`` (TRL's ``loss_type="dr_grpo"``, Liu et al. 2025): ``sum_it m L / (N_seq * T_norm)``,
+  the same direction as seq-mean-token-sum-norm, ``N_seq`` times smaller.
 
 ``N_seq`` (sequences with at least one response token), ``N_tok`` (response tokens) and ``n_i`` are
 *global* for the optimizer step: callers pass them all-reduced over data (and context) parallel
@@ -114,6 +117,7 @@ LOSS_AGG_MODES = (
     "seq-mean-token-sum",
     "seq-mean-token-mean",
     "seq-mean-token-sum-norm",
+    "dr-grpo",
 )
 
 
@@ -136,6 +140,8 @@ def aggregate(
     if mode == "seq-mean-token-mean":
         return (masked.sum(dim=-1) / lengths.clamp(min=1)).sum() / num_sequences
     if mode == "seq-mean-token-sum-norm":
+        return masked.sum() / norm_length
+    if mode == "dr-grpo":
         return masked.sum() / (num_sequences * norm_length)
     raise ValueError(f"unknown loss_agg_mode {mode!r}; known: {', '.join(LOSS_AGG_MODES)}")
 
@@ -159,18 +165,22 @@ class PolicyLossSettings:
     """``eps_high``: the ratio is clipped from above at ``1 + clip_high``."""
     loss_agg_mode: str
     """How per-token losses become one number (module docstring): ``token-mean``,
-    ``seq-mean-token-sum``, ``seq-mean-token-mean`` or ``seq-mean-token-sum-norm``."""
+    ``seq-mean-token-sum``, ``seq-mean-token-mean``, ``seq-mean-token-sum-norm`` or ``dr-grpo``."""
     dual_clip_constant: Optional[float] = None
     """``c`` of dual clip (Ye et al. 2020): where ``A < 0``, ``pg = min(pg, -c A)``; None: off."""
     kl_coef: float = 0.0
     """Weight of ``KL(policy || reference)`` per token (needs ``ref_log_probs``)."""
     kl_estimator: str = "k3"
     """Schulman's k1, k2 or k3 (:func:`megatron_gspo.algo.kl.kl_estimate`)."""
+    kl_clamp: Optional[float] = None
+    """Cap of the k3 estimate per token, ``clamp(k3, -c, c)`` (verl's and slime's ``low_var_kl``,
+    ROLL's ``k3``: c = 10); beyond it the token's KL gradient is 0. None: no cap."""
     entropy_coef: float = 0.0
     """Entropy bonus: ``-entropy_coef * H`` per token (needs ``entropy``)."""
     norm_length: Optional[float] = None
-    """``T_norm`` of seq-mean-token-sum-norm: a constant (the configured response length), not
-    the padded width, which changes with packing. None: the padded width ``T`` of the call."""
+    """``T_norm`` of seq-mean-token-sum-norm and dr-grpo: a constant (the configured response
+    length), not the padded width, which changes with packing. None: the padded width ``T`` of
+    the call."""
     log_ratio_clamp: float = 10.0
     """Log ratios are clamped to ``+-log_ratio_clamp`` before ``exp`` (verl clamps at 10)."""
 
@@ -276,7 +286,9 @@ def policy_loss(
         return (per_token.sum(-1) / lengths.clamp(min=1)).sum() / num_sequences
 
     if ref_log_probs is not None:
-        kl = kl_estimate(log_probs, ref_log_probs.detach(), settings.kl_estimator)
+        kl = kl_estimate(
+            log_probs, ref_log_probs.detach(), settings.kl_estimator, k3_clamp=settings.kl_clamp
+        )
         kl_loss = agg(kl)
         loss = loss + settings.kl_coef * kl_loss
         metrics["kl_loss"] = kl_loss.detach()

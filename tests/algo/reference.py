@@ -18,11 +18,15 @@ KL_CLAMP = 20.0
 
 
 def kl_reference(
-    log_probs: torch.Tensor, ref_log_probs: torch.Tensor, estimator: str
+    log_probs: torch.Tensor,
+    ref_log_probs: torch.Tensor,
+    estimator: str,
+    k3_cap: Optional[float] = None,
 ) -> torch.Tensor:
     """Schulman's estimators with ``x = clamp(ref - lp, -20, 20)`` (clamped before ``exp``).
 
-    k1 = ``-x`` (= lp - ref), k2 = ``x^2 / 2``, k3 = ``e^x - x - 1``.
+    k1 = ``-x`` (= lp - ref), k2 = ``x^2 / 2``, k3 = ``e^x - x - 1``, then with ``k3_cap`` c
+    ``min(max(k3, -c), c)`` (verl's low_var_kl).
     """
     x = (ref_log_probs - log_probs).clamp(-KL_CLAMP, KL_CLAMP)
     if estimator == "k1":
@@ -30,7 +34,12 @@ def kl_reference(
     if estimator == "k2":
         return x * x / 2
     if estimator == "k3":
-        return torch.exp(x) - x - 1
+        k3 = torch.exp(x) - x - 1
+        if k3_cap is None:
+            return k3
+        return torch.minimum(
+            torch.maximum(k3, torch.full_like(k3, -k3_cap)), torch.full_like(k3, k3_cap)
+        )
     raise ValueError(estimator)
 
 
@@ -62,6 +71,7 @@ def reference_policy_loss(
     ref_log_probs: Optional[torch.Tensor] = None,
     kl_coef: float = 0.0,
     kl_estimator: str = "k3",
+    kl_clamp: Optional[float] = None,
     entropy: Optional[torch.Tensor] = None,
     entropy_coef: float = 0.0,
     num_sequences: Optional[float] = None,
@@ -77,7 +87,8 @@ def reference_policy_loss(
     ``token`` ``r_it = exp(clamp(lp_it - old_it, +-C))``.
     Token loss ``L = pg + kl_coef KL(lp, ref) - entropy_coef H`` and the weight of a token of
     sequence ``i`` is ``1/N_tok`` (token-mean), ``1/N_seq`` (seq-mean-token-sum),
-    ``1/(n_i N_seq)`` (seq-mean-token-mean), ``1/(N_seq T_norm)`` (seq-mean-token-sum-norm).
+    ``1/(n_i N_seq)`` (seq-mean-token-mean), ``1/T_norm`` (seq-mean-token-sum-norm, ROLL's and
+    verl's meaning), ``1/(N_seq T_norm)`` (dr-grpo, TRL's).
     Returns ``loss``, ``pg_loss``, ``kl_loss`` and ``entropy_loss`` (each aggregated alike).
     """
     batch, width = log_probs.shape
@@ -112,12 +123,13 @@ def reference_policy_loss(
             "token-mean": 1.0 / num_tokens,
             "seq-mean-token-sum": 1.0 / num_sequences,
             "seq-mean-token-mean": 1.0 / (lengths[i] * num_sequences),
-            "seq-mean-token-sum-norm": 1.0 / (num_sequences * norm_length),
+            "seq-mean-token-sum-norm": 1.0 / norm_length,
+            "dr-grpo": 1.0 / (num_sequences * norm_length),
         }[loss_agg_mode]
         pg = token_objective(ratio, adv, clip_low, clip_high, dual_clip_constant)
         parts["pg_loss"] = parts["pg_loss"] + weight * pg.sum()
         if ref_log_probs is not None:
-            kl = kl_reference(lp, ref_log_probs[i, index], kl_estimator)
+            kl = kl_reference(lp, ref_log_probs[i, index], kl_estimator, kl_clamp)
             parts["kl_loss"] = parts["kl_loss"] + weight * kl.sum()
         if entropy is not None:
             parts["entropy_loss"] = parts["entropy_loss"] + weight * entropy[i, index].sum()
@@ -200,8 +212,10 @@ def reference_token_level_kl(
     mask: torch.Tensor,
     coef: float,
     estimator: str,
+    k3_cap: Optional[float] = None,
 ) -> torch.Tensor:
-    """``A_it = A_i - coef * sum_{t' >= t, m_it'} KL_it'`` at response tokens, 0 elsewhere."""
+    """``A_it = A_i - coef * sum_{t' >= t, m_it'} KL_it'`` at response tokens, 0 elsewhere
+    (k3 capped to ``+-k3_cap`` when given)."""
     batch, width = mask.shape
     out = torch.zeros(batch, width, dtype=torch.float64)
     for i in range(batch):
@@ -212,6 +226,9 @@ def reference_token_level_kl(
             for u in range(t, width):
                 if mask[i, u]:
                     x = min(max(float(ref_log_probs[i, u] - old_log_probs[i, u]), -20.0), 20.0)
-                    future += {"k1": -x, "k2": x * x / 2, "k3": math.exp(x) - x - 1}[estimator]
+                    kl = {"k1": -x, "k2": x * x / 2, "k3": math.exp(x) - x - 1}[estimator]
+                    if estimator == "k3" and k3_cap is not None:
+                        kl = min(max(kl, -k3_cap), k3_cap)
+                    future += kl
             out[i, t] = advantages[i] - coef * future
     return out

@@ -22,7 +22,13 @@ from .batches import WIDTH, make_batch
 
 RANK_COLUMNS = ([0, 1, 6], [2, 3, 4, 5])
 POSITIONS = {1: [0, 6], 3: [4]}
-AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+AGG_MODES = (
+    "token-mean",
+    "seq-mean-token-sum",
+    "seq-mean-token-mean",
+    "seq-mean-token-sum-norm",
+    "dr-grpo",
+)
 CASES = [
     (importance_sampling, agg, per_token)
     for importance_sampling in ("seq", "seq_token", "token")

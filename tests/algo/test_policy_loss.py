@@ -11,7 +11,13 @@ from .batches import make_batch
 from .reference import kl_reference, reference_policy_loss
 
 IMPORTANCE_SAMPLING = ("seq", "seq_token", "token")
-AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+AGG_MODES = (
+    "token-mean",
+    "seq-mean-token-sum",
+    "seq-mean-token-mean",
+    "seq-mean-token-sum-norm",
+    "dr-grpo",
+)
 KL_COEF, ENTROPY_COEF = 0.3, 0.05
 TIGHT = {"rtol": 1e-10, "atol": 1e-12}
 
@@ -171,7 +177,8 @@ def test_aggregate_by_hand(agg):
         "token-mean": (1 + 2 + 3 + 4) / 4,
         "seq-mean-token-sum": (6 + 4) / 2,
         "seq-mean-token-mean": (6 / 3 + 4 / 1) / 2,
-        "seq-mean-token-sum-norm": (6 + 4) / (2 * 5),
+        "seq-mean-token-sum-norm": (6 + 4) / 5,
+        "dr-grpo": (6 + 4) / (2 * 5),
     }[agg]
     result = aggregate(
         values, mask, agg, lengths=torch.tensor([3.0, 1.0], dtype=torch.float64),

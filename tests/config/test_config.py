@@ -124,6 +124,7 @@ def test_unknown_preset_name():
         (["rollout.top_p=1.5"], "rollout.top_p"),
         (["optim.lr=-1e-3"], "optim.lr"),
         (["algo.advantage_clip=0"], "algo.advantage_clip"),
+        (["algo.kl_clamp=0"], "algo.kl_clamp"),
         (["parallel.vpp=0"], "parallel.vpp"),
         # bad choice
         (["algo.loss_agg_mode=token_mean"], "algo.loss_agg_mode"),
@@ -264,11 +265,15 @@ def test_algo_settings_translate_the_keys_once():
         dual_clip_constant=None,
         kl_coef=0.0,
         kl_estimator="k3",
+        kl_clamp=10.0,
         entropy_coef=0.0,
         norm_length=12,
         log_ratio_clamp=10.0,
     )
-    assert plain.advantage_settings() == AdvantageSettings(estimator="grpo")
+    assert plain.advantage_settings() == AdvantageSettings(estimator="grpo", kl_clamp=10.0)
+    uncapped = load_quietly(None, ["algo.kl_clamp=null", "algo.loss_agg_mode=dr-grpo"]).algo
+    assert uncapped.policy_loss_settings().kl_clamp is None
+    assert uncapped.policy_loss_settings().loss_agg_mode == "dr-grpo"
     on = AlgoConfig(
         importance_sampling="seq_token",
         dual_clip_loss=True,
