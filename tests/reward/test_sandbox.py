@@ -3,7 +3,12 @@ failing closed where the kernel cannot isolate. Hostile programs: ``test_hostile
 
 from __future__ import annotations
 
+import os
+import shutil
+import subprocess
+import sys
 import threading
+from pathlib import Path
 
 import pytest
 
@@ -50,6 +55,33 @@ def test_who_the_code_runs_as_and_what_it_sees():
     assert not visible & {"home", "tmp", "run", "var", "work", "mnt", "opt", "srv"}
     assert processes.endswith(" 2")  # the sandbox's init (pid 1) and the program (pid 2)
     assert result.isolation == "bubblewrap"
+
+
+def test_the_path_of_an_unprivileged_trainer(tmp_path):
+    """A trainer that is not root (the Docker image's) takes one unprivileged bwrap instead of the
+    nested one. Run as root, the test puts the trainer into a user namespace as uid 1000 (an
+    outer bwrap) so that it takes that path for real."""
+    if os.geteuid() != 0:
+        pytest.skip("not root: every other test here already runs the unprivileged path")
+    if isolated_or_fail_closed(lambda: run_python("pass", limits=FAST)) is None:
+        return
+    trainer = (
+        "import os\nfrom megatron_gspo.reward import run_python\n"
+        "print(os.geteuid())\n"
+        "result = run_python('import os; print(os.getuid(), os.getpid(), "
+        'sorted(os.listdir("/")))\')\n'
+        "print(result.returncode, result.stdout.strip())\n"
+    )
+    command = [shutil.which("bwrap"), "--dev-bind", "/", "/", "--unshare-user", "--unshare-pid"]
+    command += ["--proc", "/proc", "--uid", "1000", "--gid", "1000", "--", sys.executable, "-c"]
+    environment = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    result = subprocess.run(
+        [*command, trainer], capture_output=True, text=True, timeout=120, env=environment
+    )
+    assert result.returncode == 0, result.stderr
+    euid, outcome = result.stdout.splitlines()
+    assert euid == "1000"
+    assert outcome.startswith("0 65534 2 ['bin', 'dev', 'etc'") and "'sandbox'" in outcome
 
 
 def test_correct_program_passes_and_wrong_one_fails():
