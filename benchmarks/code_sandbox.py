@@ -53,12 +53,13 @@ def load_module_from_git(revision: str, path: str, name: str):
         text=True,
         check=True,
     ).stdout
-    directory = Path(tempfile.mkdtemp(prefix="megatron_gspo_bench_"))
-    (directory / f"{name}.py").write_text(source)
-    spec = importlib.util.spec_from_file_location(name, directory / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
+    with tempfile.TemporaryDirectory(prefix="megatron_gspo_bench_") as directory:
+        path = Path(directory, f"{name}.py")
+        path.write_text(source)
+        spec = importlib.util.spec_from_file_location(name, path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module  # dataclasses look their module up there
+        spec.loader.exec_module(module)
     return module
 
 
