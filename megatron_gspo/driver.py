@@ -8,8 +8,10 @@ global rank 0 the :class:`RolloutDriver`, the others a :class:`DriverFollower` t
 in the driver's collectives (the broadcast, draining the weight stream) and has nothing else to
 do. The loop therefore never tests the rank.
 
-A new way to produce samples (an asynchronous producer, multi-turn environments) is a new
-:class:`Driver` behind the same small interface.
+How samples are made is the driver's :class:`~megatron_gspo.production.SampleProducer`
+(prompts in, scored samples out; :mod:`megatron_gspo.production`): one completion per prompt
+today, an environment's turns, or a background producer that runs ahead of training, each behind
+the same batch-level call.
 """
 
 from __future__ import annotations
@@ -17,7 +19,6 @@ from __future__ import annotations
 import abc
 import logging
 import os
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Optional
@@ -27,6 +28,13 @@ import torch.distributed as dist
 
 from megatron_gspo.config import ConfigError, TrainConfig, to_dict
 from megatron_gspo.metrics import MetricsLogger, pass_at_k, rollout_metrics
+from megatron_gspo.production import (
+    SampleProducer,
+    SingleTurnProducer,
+    collect_step_batch,
+    generate,
+    score,
+)
 from megatron_gspo.samples import TrainSample
 
 if TYPE_CHECKING:
@@ -172,6 +180,9 @@ class RolloutDriver(Driver):
         self.task = build_task(cfg)
         self.rewards: RewardRunner = RewardRunner(cfg.reward)
         self.rollout_engine: RolloutEngine = build_rollout(cfg)
+        self.producer: SampleProducer = SingleTurnProducer(
+            self.rollout_engine, self.task, self.rewards, cfg
+        )
         self.logger: Optional[MetricsLogger] = None
         self._records: list[dict] = []
 
@@ -187,18 +198,12 @@ class RolloutDriver(Driver):
         )
 
     def rollout(self, step: int) -> RolloutBatch:
-        started = time.perf_counter()
-        prompts = self.task.stream.next_batch(self.cfg.algo.rollout_batch_size)
-        samples, sample_prompts = generate(self.rollout_engine, self.task, prompts, self.cfg, step)
-        generated = time.perf_counter()
-        reward_stats = score(samples, sample_prompts, self.rewards, self.task)
-        samples = broadcast_samples(samples)
+        produced = collect_step_batch(self.producer, self.task.stream, step, self.cfg)
+        samples = broadcast_samples(produced.samples)
         metrics = {
             **rollout_metrics(samples),
-            **reward_stats,
+            **produced.metrics,
             **self.task.stream.stats(),
-            "time/rollout_s": generated - started,
-            "time/reward_s": time.perf_counter() - generated,
         }
         return RolloutBatch(samples, metrics)
 
@@ -275,115 +280,8 @@ class DriverFollower(Driver):
 
 
 # ----------------------------------------------------------------------------------------------
-# Generating, scoring, evaluating (rank 0)
+# Evaluating and supervised samples (rank 0); generating and scoring: production.py
 # ----------------------------------------------------------------------------------------------
-
-
-def generate(
-    rollout: RolloutEngine,
-    task: Task,
-    prompts: list[Prompt],
-    cfg: TrainConfig,
-    step: int,
-    *,
-    temperature: Optional[float] = None,
-    group_size: Optional[int] = None,
-    return_routes: Optional[bool] = None,
-) -> tuple[list[TrainSample], list[Prompt]]:
-    """``num_return_sequences_in_group`` responses per prompt, as :class:`TrainSample`\\ s, and
-    the prompt of each sample.
-
-    Sampling seeds derive from (run seed, step, prompt), so a resumed run samples exactly what the
-    uninterrupted one would. An aborted request keeps its sample with an empty loss mask and a
-    group of its own (advantage 0): it is counted, never trained on. ``temperature`` (0: greedy),
-    ``group_size`` and ``return_routes`` override the training settings (evaluation uses them;
-    they are arguments, not a modified config, because the config rejects ``temperature=0``).
-    """
-    if temperature is None:
-        temperature = cfg.rollout.temperature
-    if group_size is None:
-        group_size = cfg.algo.num_return_sequences_in_group
-    if return_routes is None:
-        return_routes = cfg.algo.routing_replay == "r3"
-    from megatron_gspo.rollout import GenerateRequest
-
-    base_seed = cfg.rollout.seed if cfg.rollout.seed is not None else cfg.seed
-    requests = [
-        GenerateRequest(
-            input_ids=prompt.prompt_ids,
-            max_new_tokens=cfg.algo.response_length,
-            temperature=temperature,
-            top_p=cfg.rollout.top_p,
-            top_k=cfg.rollout.top_k,
-            stop_token_ids=[task.eos_token_id] if task.eos_token_id is not None else [],
-            min_new_tokens=cfg.rollout.min_new_tokens,
-            seed=(base_seed * 1_000_003 + step) * 100_003 + index,
-            return_logprob=True,
-            return_routed_experts=return_routes,
-        )
-        for index, prompt in enumerate(prompts)
-    ]
-    # Results are prompt-major: sample i answers prompt i // group_size.
-    results = rollout.generate(requests, n=group_size)
-    samples, sample_prompts = [], []
-    for index, result in enumerate(results):
-        prompt = prompts[index // group_size]
-        tokens = torch.tensor(list(prompt.prompt_ids) + list(result.output_ids), dtype=torch.long)
-        aborted = result.finish_reason == "abort"
-        routes = result.routed_experts
-        samples.append(
-            TrainSample(
-                tokens=tokens,
-                prompt_length=len(prompt.prompt_ids),
-                group_id=-1 - index if aborted else prompt.group_id,
-                loss_mask=torch.zeros(len(result.output_ids), dtype=torch.bool)
-                if aborted
-                else None,
-                rollout_log_probs=None
-                if result.output_log_probs is None
-                else torch.as_tensor(result.output_log_probs, dtype=torch.float32),
-                rollout_routes=None if routes is None else torch.from_numpy(routes),
-                finish_reason=result.finish_reason,
-                weight_version=result.weight_version,
-            )
-        )
-        sample_prompts.append(prompt)
-    if any(s.finish_reason == "abort" for s in samples):
-        logger.warning(
-            "%d of %d rollout samples were aborted; they are kept out of the loss",
-            sum(s.finish_reason == "abort" for s in samples),
-            len(samples),
-        )
-    return samples, sample_prompts
-
-
-def score(
-    samples: list[TrainSample], prompts: list[Prompt], rewards: RewardRunner, task: Task
-) -> dict[str, float]:
-    """Score every sample against its prompt (``prompts[i]`` for ``samples[i]``); failures are
-    counted in the returned metrics and logged by the runner."""
-    from megatron_gspo.reward import RewardInput
-
-    inputs = []
-    for sample, prompt in zip(samples, prompts):
-        response_ids = sample.tokens[sample.prompt_length :].tolist()
-        inputs.append(
-            RewardInput(
-                prompt=prompt.prompt_text,
-                response=task.tokenizer.decode(response_ids, skip_special_tokens=True),
-                answer=prompt.answer,
-                metadata=prompt.metadata,
-                prompt_ids=list(prompt.prompt_ids),
-                response_ids=response_ids,
-                finish_reason=sample.finish_reason,
-            )
-        )
-    result = rewards.score(inputs)
-    for sample, reward in zip(samples, result.rewards):
-        sample.reward = float(reward)
-    return {
-        k: float(v) for k, v in result.metrics.items() if k not in ("reward_mean", "reward_max")
-    }
 
 
 def evaluate(
