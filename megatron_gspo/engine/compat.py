@@ -13,8 +13,12 @@ stages) were found here, as were two for speed alone: 7b (dynamo traces the rout
 expert-bias update) and 11 (the local experts without per-expert modules, ``engine/experts.py``).
 Shim 9 is not a patch but a norm class used in the local layer spec.
 
-Version differences (0.16.1 on CPU CI, newer in the GPU image) are detected by feature, never by
-comparing version strings in the code that uses them: see :data:`MEGATRON_CORE_VERSION`,
+Version differences are guarded here and nowhere else. Each shim (and each part of one, such as a
+module of :data:`CUDA_ALLOCATING_MODULES`) declares the megatron-core versions whose upstream code
+needs it (:class:`NeededOn`); :func:`needed_here` is the one comparison with the installed version,
+and :func:`apply_cpu_shims` applies only what it says is needed. ``tests/engine/test_compat.py``
+checks every declaration on the installed version, and CI runs it on each of
+:data:`CHECKED_VERSIONS`. Differences that are not shims are detected by feature:
 :func:`has_router_replay`, :func:`gpt_postprocess_parameters`.
 """
 
@@ -24,6 +28,7 @@ import contextlib
 import functools
 import inspect
 import logging
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -35,12 +40,47 @@ from megatron.core import package_info
 
 logger = logging.getLogger(__name__)
 
+
+def parse_version(text: str) -> tuple[int, int, int]:
+    """``"0.17.1"`` -> ``(0, 17, 1)`` (pre-release and local suffixes are not part of it)."""
+    major, minor, patch = (text.split("+")[0].split(".") + ["0", "0"])[:3]
+    return int(major), int(minor), int(re.match(r"\d*", patch).group() or 0)
+
+
 MEGATRON_CORE_VERSION: tuple[int, int, int] = tuple(int(v) for v in package_info.VERSION[:3])
 """(major, minor, patch) of the installed megatron-core."""
 
-CHECKED_VERSIONS = ("0.16.1",)
-"""megatron-core versions on which every shim below was checked (the only ones installable on
-Python 3.11; 0.13.1-0.15.x needed the same set but lack RouterReplay)."""
+OLDEST_SUPPORTED_VERSION = "0.16.1"
+"""The oldest megatron-core megatron_gspo runs on (the first with ``RouterReplay``; setup.py's
+lower bound)."""
+
+CHECKED_VERSIONS = ("0.16.1", "0.17.1")
+"""Every megatron-core version CI runs, each shim's declaration checked on it: 0.16.1 (Python
+3.11 job; the newest for Python 3.11) and 0.17.1 (Python 3.12 job; the Docker image's). The
+Python 3.12 job is ``.ci/run --py312``; docs/architecture.md has the versions policy."""
+
+
+@dataclass(frozen=True)
+class NeededOn:
+    """The megatron-core versions whose upstream code needs a shim: ``since <= version <
+    fixed_in`` (``fixed_in=None``: no release has fixed it yet)."""
+
+    since: str = OLDEST_SUPPORTED_VERSION
+    fixed_in: str | None = None
+
+    def __contains__(self, version: tuple[int, int, int]) -> bool:
+        return parse_version(self.since) <= version and (
+            self.fixed_in is None or version < parse_version(self.fixed_in)
+        )
+
+    def __str__(self) -> str:
+        return f">= {self.since}" + (f", < {self.fixed_in}" if self.fixed_in else "")
+
+
+def needed_here(needed: NeededOn) -> bool:
+    """Whether the installed megatron-core is one of ``needed``'s versions: the only place the
+    installed version decides what gets patched."""
+    return MEGATRON_CORE_VERSION in needed
 
 
 def cuda_available() -> bool:
@@ -84,21 +124,28 @@ class Shim:
     upstream: str
     """The upstream function(s) or call sites the shim covers."""
     apply: Callable[[], None]
+    needed: NeededOn
+    """The megatron-core versions whose upstream code needs it."""
 
 
 _SHIMS: list[Shim] = []
-_APPLIED = False
+_APPLIED: list[str] = []
+_ACTIVE = False
 
 
-def _shim(name: str, upstream: str) -> Callable[[Callable[[], None]], Callable[[], None]]:
-    """Register a shim; its docstring gains the upstream place and the checked versions."""
+def _shim(
+    name: str, upstream: str, needed: NeededOn | None = None
+) -> Callable[[Callable[[], None]], Callable[[], None]]:
+    """Register a shim, needed on ``needed`` (default: every supported version so far); its
+    docstring gains the upstream place and those versions."""
+    needed = needed or NeededOn()
 
     def register(function: Callable[[], None]) -> Callable[[], None]:
         function.__doc__ = (
             f"{(function.__doc__ or '').strip()}\n\nCovers: {upstream}.\n"
-            f"Checked on megatron-core {', '.join(CHECKED_VERSIONS)}."
+            f"Needed on megatron-core {needed} (checked on {', '.join(CHECKED_VERSIONS)})."
         )
-        _SHIMS.append(Shim(name, upstream, function))
+        _SHIMS.append(Shim(name, upstream, function, needed))
         return function
 
     return register
@@ -108,12 +155,25 @@ def registered_shims() -> list[Shim]:
     return list(_SHIMS)
 
 
+def declared_needs() -> dict[str, bool]:
+    """Whether each shim, and each part of one, is declared needed on the installed version.
+    Parts are named ``shim[part]``; ``tests/engine/test_compat.py`` probes every entry."""
+    needs = {shim.name: needed_here(shim.needed) for shim in _SHIMS}
+    needs.update(
+        (f"cuda_allocations[{module}]", needed_here(needed))
+        for module, needed in CUDA_ALLOCATING_MODULES.items()
+    )
+    needs["sequence_parallel_norm"] = needed_here(SequenceParallelTorchNorm.needed)
+    return needs
+
+
 def apply_cpu_shims() -> bool:
-    """Apply every CPU shim once when CUDA is absent; returns whether shims are active."""
-    global _APPLIED
+    """Apply once, when CUDA is absent, every CPU shim the installed megatron-core needs;
+    returns whether shims are active."""
+    global _ACTIVE
     if cuda_available():
         return False
-    if _APPLIED:
+    if _ACTIVE:
         return True
     if ".".join(map(str, MEGATRON_CORE_VERSION)) not in CHECKED_VERSIONS:
         logger.warning(
@@ -122,13 +182,20 @@ def apply_cpu_shims() -> bool:
             ", ".join(CHECKED_VERSIONS),
         )
     for shim in _SHIMS:
-        shim.apply()
-    _APPLIED = True
+        if needed_here(shim.needed):
+            shim.apply()
+            _APPLIED.append(shim.name)
+    _ACTIVE = True
     return True
 
 
 def cpu_shims_active() -> bool:
-    return _APPLIED
+    return _ACTIVE
+
+
+def applied_shims() -> list[str]:
+    """Names of the shims :func:`apply_cpu_shims` applied (those the installed version needs)."""
+    return list(_APPLIED)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -189,18 +256,20 @@ class _CpuAllocatingTorch:
         return cpu_factory
 
 
-CUDA_ALLOCATING_MODULES = (
-    "megatron.core.pipeline_parallel.schedules",
-    "megatron.core.optimizer.optimizer",
-    "megatron.core.optimizer.clip_grads",
-    "megatron.core.optimizer.grad_scaler",
-    "megatron.core.transformer.moe.moe_utils",
-)
-"""Modules whose functions allocate with a literal ``device="cuda"`` on our path: schedules
-(``total_num_tokens`` of every forward_backward function), optimizer (``FP32Optimizer._scale``,
-``MixedPrecisionOptimizer.found_inf`` / ``_dummy_overflow_buf`` / ``_scale_one``), clip_grads
-(``get_grad_norm_fp32``, ``clip_grad_by_total_norm_fp32``, ``count_zeros_fp32``), grad_scaler
-(scaler state), moe_utils (``reduce_aux_losses_tracker_across_ranks`` tracker init)."""
+CUDA_ALLOCATING_MODULES: dict[str, NeededOn] = {
+    "megatron.core.pipeline_parallel.schedules": NeededOn(),
+    "megatron.core.optimizer.optimizer": NeededOn(),
+    "megatron.core.optimizer.clip_grads": NeededOn(),
+    "megatron.core.optimizer.grad_scaler": NeededOn(),
+    # 0.18 moved the aux-loss tracker to moe_logging.py, which allocates on the current device.
+    "megatron.core.transformer.moe.moe_utils": NeededOn(fixed_in="0.18.0"),
+}
+"""Modules whose functions allocate with a literal ``device="cuda"`` on our path, and the versions
+that do: schedules (``total_num_tokens`` of every forward_backward function), optimizer
+(``FP32Optimizer._scale``, ``MixedPrecisionOptimizer.found_inf`` / ``_dummy_overflow_buf`` /
+``_scale_one``), clip_grads (``get_grad_norm_fp32``, ``clip_grad_by_total_norm_fp32``,
+``count_zeros_fp32``), grad_scaler (scaler state), moe_utils (``reduce_aux_losses_tracker_across_
+ranks`` tracker init)."""
 
 
 @_shim(
@@ -208,13 +277,13 @@ CUDA_ALLOCATING_MODULES = (
     "device='cuda' literals in " + ", ".join(m.rsplit(".", 1)[-1] for m in CUDA_ALLOCATING_MODULES),
 )
 def _shim_cuda_allocations() -> None:
-    """Each listed module sees a ``torch`` whose factories allocate on CPU (module-scoped, not a
-    global change of torch)."""
+    """Each listed module that the installed version needs it for sees a ``torch`` whose
+    factories allocate on CPU (module-scoped, not a global change of torch)."""
     import importlib
 
-    for module_name in CUDA_ALLOCATING_MODULES:
+    for module_name, needed in CUDA_ALLOCATING_MODULES.items():
         module = importlib.import_module(module_name)
-        if not isinstance(module.torch, _CpuAllocatingTorch):
+        if needed_here(needed) and not isinstance(module.torch, _CpuAllocatingTorch):
             module.torch = _CpuAllocatingTorch(module.torch)
 
 
@@ -427,7 +496,8 @@ def _shim_tied_embedding_cuda() -> None:
 @_shim(
     "te_general_gemm",
     "transformer.moe.moe_utils.RouterGatingLinearFunction reads te_general_gemm, which is only "
-    "defined when Transformer Engine imports (NameError otherwise; upstream bug 0.13-0.16)",
+    "defined when Transformer Engine imports (NameError otherwise; 0.17 defines it as None)",
+    NeededOn(fixed_in="0.17.0"),
 )
 def _shim_te_general_gemm() -> None:
     """Define ``moe_utils.te_general_gemm = None`` so the router takes its torch.mm path."""
@@ -503,6 +573,9 @@ class SequenceParallelTorchNorm:
     ``sequence_parallel=True``. Used in the local layer spec (it is a spec substitution, not a
     patch), only without a GPU.
     """
+
+    needed = NeededOn()
+    """The versions whose ``WrappedTorchNorm`` rejects sequence parallel."""
 
     def __new__(
         cls,

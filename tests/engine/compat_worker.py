@@ -1,16 +1,20 @@
 """Checks of the CPU shims, run in a fresh process (shims change torch/megatron globals).
 
-1. ``need``: on the UNPATCHED upstream, the thing each shim covers still fails or still has the
-   CUDA-only code (so the shim is still necessary).
+1. ``need``: on the UNPATCHED upstream, whether the thing each shim (and each part of one) covers
+   still fails or still has the CUDA-only code: ``"needed"`` or ``"not needed"``, compared by
+   ``test_compat.py`` with what ``compat.declared_needs()`` declares for the installed version.
 2. ``gpu``: with CUDA reported available, ``apply_cpu_shims`` patches nothing.
-3. ``works``: after ``apply_cpu_shims``, each covered call works on CPU (the layouts that need
-   them run in test_layouts.py).
+3. ``applied``: what ``apply_cpu_shims`` patched on CPU (only what the installed version needs).
+4. ``works``: after ``apply_cpu_shims``, each covered call works on CPU, whether a shim or upstream
+   itself makes it work (the layouts that need them run in test_layouts.py).
 
-Prints one JSON object ``{check: {shim: "ok" | error text}}``.
+Prints one JSON object.
 """
 
 from __future__ import annotations
 
+import functools
+import importlib
 import inspect
 import json
 import re
@@ -47,20 +51,19 @@ def need_probes() -> dict:
     from megatron.core.transformer.moe.experts import SequentialMLP
     from megatron.core.transformer.moe.router import TopKRouter
 
-    def cuda_allocations() -> bool:
-        import importlib
+    def allocates_on_cuda(module_name: str) -> bool:
+        return bool(CUDA_LITERAL.search(inspect.getsource(importlib.import_module(module_name))))
 
-        return all(
-            CUDA_LITERAL.search(inspect.getsource(importlib.import_module(name)))
-            for name in compat.CUDA_ALLOCATING_MODULES
-        )
-
-    return {
+    modules = {
+        f"cuda_allocations[{name}]": functools.partial(allocates_on_cuda, name)
+        for name in compat.CUDA_ALLOCATING_MODULES
+    }
+    return modules | {
         "current_device": lambda: (
             "torch.cuda.current_device()" in inspect.getsource(param_and_grad_buffer)
             and _raises(torch.cuda.current_device)
         ),
-        "cuda_allocations": cuda_allocations,
+        "cuda_allocations": lambda: any(probe() for probe in modules.values()),
         "local_l2_norm": lambda: (
             clip_grads.l2_norm_impl is utils.local_multi_tensor_l2_norm
             and bool(CUDA_LITERAL.search(inspect.getsource(utils.local_multi_tensor_l2_norm)))
@@ -130,7 +133,6 @@ def works_checks() -> dict:
     from megatron.core import tensor_parallel
     from megatron.core.models.common.language_module.language_module import LanguageModule
     from megatron.core.optimizer import clip_grads, distrib_optimizer
-    from megatron.core.pipeline_parallel import schedules
     from megatron.core.tensor_parallel import random as tp_random
     from megatron.core.transformer.moe import moe_utils, token_dispatcher
     from megatron.core.transformer.moe.experts import SequentialMLP
@@ -159,7 +161,11 @@ def works_checks() -> dict:
 
     return {
         "current_device": lambda: torch.cuda.current_device() == torch.device("cpu"),
-        "cuda_allocations": lambda: schedules.torch.zeros([], device="cuda").device.type == "cpu",
+        "cuda_allocations": lambda: all(
+            importlib.import_module(name).torch.zeros([], device="cuda").device.type == "cpu"
+            for name, needed in compat.CUDA_ALLOCATING_MODULES.items()
+            if compat.needed_here(needed)
+        ),
         "local_l2_norm": clip,
         "cuda_rng": rng,
         "synchronize_and_streams": lambda: (
@@ -206,26 +212,51 @@ def run(checks: dict) -> dict:
     return run_checks(checks, traceback_limit=3, falsy_fails=True)
 
 
+def probe(probes: dict) -> dict:
+    """Each probe's answer, ``"needed"`` / ``"not needed"``, or the traceback it raised."""
+    answers = {"ok": "needed", "returned False": "not needed"}
+    return {name: answers.get(text, text) for name, text in run(probes).items()}
+
+
+def applied() -> list[str]:
+    """The shims, and the parts of the CUDA-allocation shim, that are in place."""
+    modules = [
+        f"cuda_allocations[{name}]"
+        for name in compat.CUDA_ALLOCATING_MODULES
+        if isinstance(importlib.import_module(name).torch, compat._CpuAllocatingTorch)
+    ]
+    return compat.applied_shims() + modules
+
+
 def main() -> None:
-    out: dict = {"registered": [shim.name for shim in compat.registered_shims()]}
-    out["need"] = run(need_probes())
-    out["need"]["sequence_parallel_norm"] = "ok" if norm_probe() else "returned False"
+    out: dict = {
+        "version": ".".join(map(str, compat.MEGATRON_CORE_VERSION)),
+        "checked_versions": list(compat.CHECKED_VERSIONS),
+        "registered": [shim.name for shim in compat.registered_shims()],
+        "declared": compat.declared_needs(),
+    }
+    out["need"] = probe(need_probes() | {"sequence_parallel_norm": norm_probe})
 
     real_is_available = torch.cuda.is_available
     real_current_device = torch.cuda.current_device
     torch.cuda.is_available = lambda: True
     try:
-        applied = compat.apply_cpu_shims()
+        applied_on_gpu = compat.apply_cpu_shims()
     finally:
         torch.cuda.is_available = real_is_available
-    untouched = torch.cuda.current_device is real_current_device and not compat.cpu_shims_active()
-    out["gpu"] = {"nothing_patched": "ok" if not applied and untouched else "patched on GPU"}
+    untouched = (
+        torch.cuda.current_device is real_current_device
+        and not compat.cpu_shims_active()
+        and not applied()
+    )
+    out["gpu"] = {"nothing_patched": "ok" if not applied_on_gpu and untouched else "patched on GPU"}
 
     from megatron_gspo.config import ParallelConfig
     from megatron_gspo.engine.parallel import destroy_parallel, initialize_parallel
 
     initialize_parallel(ParallelConfig(), seed=1)
     assert compat.apply_cpu_shims() and compat.apply_cpu_shims()  # idempotent
+    out["applied"] = applied()
     out["works"] = run(works_checks())
     destroy_parallel()
     print(json.dumps(out))

@@ -1,9 +1,12 @@
-"""The CPU shims: each is still needed upstream, none is applied on GPU, each works once applied.
+"""The CPU shims: each is needed upstream exactly on the megatron-core versions it declares, none
+is applied on GPU, each covered call works once they are applied.
 
 The checks run in a fresh process (``compat_worker.py``) because the shims change torch and
-megatron globals. That the layouts each shim enables really train is covered by
-``test_layouts.py``: dp/tp/pp/ep/cp and the distributed optimizer need shims 1-8; tp2+ep2+etp2
-exercises the uneven all-gather (15 uneven gathers per step); dense pp2 the tied embedding copy.
+megatron globals; they run on the installed megatron-core, and CI runs them on each of
+``compat.CHECKED_VERSIONS`` (``.ci/run``: 0.16.1 on Python 3.11, 0.17.1 on Python 3.12). That the
+layouts each shim enables really train is covered by ``test_layouts.py``: dp/tp/pp/ep/cp and the
+distributed optimizer need shims 1-8; tp2+ep2+etp2 exercises the uneven all-gather (15 uneven
+gathers per step); dense pp2 the tied embedding copy.
 """
 
 from __future__ import annotations
@@ -22,13 +25,39 @@ def report() -> dict:
 def test_every_shim_has_a_necessity_probe_and_a_check(report):
     registered = set(report["registered"])
     assert registered == set(report["works"])
-    assert registered <= set(report["need"])
+    assert registered <= set(report["declared"])
+    assert set(report["declared"]) == set(report["need"])
+
+
+def test_installed_megatron_core_is_a_checked_version(report):
+    """CHECKED_VERSIONS lists every version CI runs: a CI pin moved without checking the shims on
+    the new version fails here."""
+    assert report["version"] in report["checked_versions"]
 
 
 def test_shims_are_still_needed_upstream(report):
-    """Fails when a megatron-core upgrade fixed what a shim covers: then drop the shim."""
-    failures = {name: text for name, text in report["need"].items() if text != "ok"}
-    assert not failures, failures
+    """On the installed megatron-core, a shim (or part of one) declared needed is still needed
+    upstream, and one declared not needed is unnecessary there and not applied. Fails when an
+    upgrade fixed what a shim covers (then end its ``NeededOn`` at that version: ``fixed_in``)."""
+    version = report["version"]
+    wrong = {}
+    for name, declared in report["declared"].items():
+        expected = "needed" if declared else "not needed"
+        if report["need"][name] != expected:
+            wrong[name] = f"declared {expected} on {version}; upstream: {report['need'][name]}"
+        elif not declared and name in report["applied"]:
+            wrong[name] = f"declared not needed on {version}, but applied"
+    assert not wrong, wrong
+
+
+def test_needed_on_versions():
+    from megatron_gspo.engine.compat import NeededOn, parse_version
+
+    assert parse_version("0.17.1") == (0, 17, 1) and parse_version("0.19.0rc1") == (0, 19, 0)
+    until_017 = NeededOn(fixed_in="0.17.0")
+    assert (0, 16, 1) in until_017 and (0, 17, 0) not in until_017 and (0, 17, 1) not in until_017
+    assert (0, 16, 0) not in until_017  # older than the oldest supported version
+    assert (0, 19, 2) in NeededOn() and (0, 18, 2) not in NeededOn(since="0.19.0")
 
 
 def test_nothing_is_patched_when_cuda_is_available(report):
