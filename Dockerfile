@@ -20,7 +20,10 @@
 #     Megatron-Core takes its fused Adam and multi-tensor kernels from TE, so apex is optional
 #     (APEX_REF below).
 #   * megatron-core 0.17.1: a 0.17 patch release (0.17+ needs Python 3.12), the smallest step from
-#     the CPU CI's 0.16.1 (the newest for Python 3.11); the package must work with both.
+#     the CPU CI's 0.16.1 (the newest for Python 3.11); the package must work with both, and CI
+#     tests both (.ci/run: job py312 runs this torch and megatron-core, constraints-py312.txt).
+#     setup.py admits <0.18 only: 0.19 (GPTModel deprecated for HybridModel) is not supported yet,
+#     for the reasons in docs/architecture.md, "megatron-core versions".
 
 FROM nvcr.io/nvidia/pytorch:25.12-py3
 

@@ -1,9 +1,9 @@
 """megatron_gspo: GSPO RL post-training for MoE LLMs on Megatron-Core.
 
 The lower and upper bounds below span the versions the project was tested with (upper: the CPU
-CI's and the GPU image's); constraints.txt pins the exact versions CI runs. pip cannot be told
-from here to take torch's CPU build: on a CPU machine install it from PyTorch's CPU index first
-(README, "Installing").
+CI's and the GPU image's); constraints.txt (Python 3.11 job) and constraints-py312.txt (Python 3.12
+job) pin the exact versions CI runs. pip cannot be told from here to take torch's CPU build: on a
+CPU machine install it from PyTorch's CPU index first (README, "Installing").
 """
 
 from pathlib import Path
@@ -41,6 +41,8 @@ setup(
     install_requires=[
         # Upper bounds: the newest tested (2.13 CPU CI, 2.14.1 GPU image; 0.16.1 / 0.17.1).
         "torch>=2.6,<2.15",
+        # 0.18 is untested and 0.19 left out on purpose: docs/architecture.md, "megatron-core
+        # versions".
         "megatron-core>=0.16.1,<0.18",
         # 5.24 deprecates past_key_values, which the embedded engine passes (a warning per call).
         "transformers>=4.57,<5.24",
