@@ -3,9 +3,9 @@
 Megatron-Core assumes CUDA. On a machine without a GPU (CI, development) :func:`apply_cpu_shims`
 replaces the few upstream places that allocate on ``"cuda"``, use CUDA streams/RNG or reject CPU
 tensors, so that the same training code runs under gloo on CPU. Nothing here is applied when CUDA
-is available, and every shim is idempotent. Each shim names the upstream function it covers and the
-megatron-core versions it was checked against (:data:`CHECKED_VERSIONS`); ``tests/engine`` has a
-test per shim that fails when an upstream change makes it unnecessary or ineffective.
+is available, and every shim is idempotent. Each shim names the upstream function it covers and
+declares the megatron-core versions that need it; ``tests/engine`` has a test per shim that fails
+when an upstream change makes it unnecessary or ineffective.
 
 Section numbers are those of ``docs/megatron-cpu.md`` ("The CPU shims"), which says why each
 exists; 2b (the grad-norm fallback) and 5b (``Tensor.cuda()`` when tying embeddings over pipeline
