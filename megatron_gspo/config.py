@@ -867,9 +867,13 @@ class DataConfig:
     """Held-out prompt file for evaluation (the format of train_path). Null: no evaluation set with
     a prompt file; the synthetic task uses its own held-out prompts."""
     prompt_key: str = "prompt"
-    """Key (column) of the prompt in the prompt files: a string or chat messages."""
+    """Key (column) of the prompt in the prompt files: a string or chat messages. A dotted path
+    reaches into nested objects and Parquet struct columns (``extra_info.question``)."""
     answer_key: str = "answer"
-    """Key (column) of the reference answer (optional per row); rewards receive it as ``answer``."""
+    """Key (column) of the reference answer (optional per row); rewards receive it as ``answer``.
+    A dotted path reaches into nested objects: ``reward_model.ground_truth`` reads the layout of
+    verl's preprocessed math sets (GSM8K, MATH: chat-message prompts, the answer in the
+    ``reward_model`` struct)."""
     tokenizer_path: Optional[str] = None
     """HF tokenizer directory (defaults to model.hf_path); the synthetic tasks bring their own."""
     apply_chat_template: bool = True
@@ -882,6 +886,16 @@ class DataConfig:
 
     def __post_init__(self) -> None:
         _check_positive("data.num_eval_prompts", self.num_eval_prompts)
+        for name in ("prompt_key", "answer_key"):
+            value = getattr(self, name)
+            if not value or any(not part for part in value.split(".")):
+                raise ConfigError(
+                    f"data.{name}",
+                    f"{value!r} is not a key or a dotted key path",
+                    "it names a column, or a path of keys into nested objects",
+                    f"set data.{name} to a column name, e.g. 'prompt' or "
+                    "'reward_model.ground_truth'",
+                )
 
 
 @dataclass

@@ -4,6 +4,12 @@ A row holds a prompt under ``prompt_key`` (a string, or chat messages ``[{"role"
 ...]``), an optional answer under ``answer_key`` (string or number; null or absent means none) and
 any other columns, which become the prompt's ``metadata`` (e.g. ``tests`` for the code reward).
 
+Keys are dotted paths into nested objects (Parquet struct columns, JSON objects), so the layout of
+the common RL math sets (verl's preprocessed GSM8K / MATH Parquet files: ``prompt`` a list of chat
+messages, the answer at ``reward_model.ground_truth``) reads with ``answer_key:
+reward_model.ground_truth``. A top-level column named by a key is not repeated in the metadata; a
+column that only contains a key (``reward_model``) stays there whole.
+
 Formatting: with ``apply_chat_template`` the tokenizer's chat template renders the messages (a
 string prompt is one user message) with ``add_generation_prompt=True``, and the text is encoded
 without adding special tokens (the template writes them); without it a string prompt is encoded
@@ -194,10 +200,11 @@ def _read_parquet(
         yield PromptFileError(f"{path}: not a readable Parquet file ({error})")
         return
     columns = parquet_file.schema_arrow.names
-    if prompt_key not in columns:
+    if prompt_key not in columns and prompt_key.split(".")[0] not in columns:
         yield PromptFileError(
-            f"{path}: every row lacks the prompt column {prompt_key!r} (columns: "
-            f"{', '.join(columns)}); set data.prompt_key to the prompt column"
+            f"{path}: every row lacks the prompt column {prompt_key.split('.')[0]!r} (columns: "
+            f"{', '.join(columns)}); set data.prompt_key to the prompt column (a dotted path "
+            "for a key inside a struct column)"
         )
         return
     row_number = 0
@@ -216,16 +223,41 @@ def _row_or_problem(
         return error
 
 
+_MISSING = object()
+
+
+def lookup_key_path(record: dict, key_path: str) -> tuple[Any, Optional[str]]:
+    """The value at dotted ``key_path`` in nested dicts, and None; or (``_MISSING``, what is
+    missing: the first absent key and the keys present beside it). An exact key that contains
+    dots (``{"a.b": ...}``) wins over the path."""
+    if key_path in record:
+        return record[key_path], None
+    value: Any = record
+    walked: list[str] = []
+    for part in key_path.split("."):
+        if not isinstance(value, dict):
+            where = ".".join(walked)
+            return _MISSING, f"{where!r} is a {type(value).__name__}, not an object with {part!r}"
+        if part not in value:
+            present = ", ".join(repr(key) for key in value) or "none"
+            if not walked:
+                return _MISSING, f"keys present: {present}"
+            return _MISSING, f"no key {part!r} in {'.'.join(walked)!r}, which has: {present}"
+        value = value[part]
+        walked.append(part)
+    return value, None
+
+
 def _validate_row(record: Any, where: str, prompt_key: str, answer_key: str) -> PromptRow:
     if not isinstance(record, dict):
         raise PromptFileError(f"{where}: expected a JSON object, got {type(record).__name__}")
-    if prompt_key not in record or record[prompt_key] is None:
-        present = ", ".join(repr(key) for key in record) or "none"
+    prompt, missing = lookup_key_path(record, prompt_key)
+    if prompt is _MISSING or prompt is None:
+        detail = missing or "it is null"
         raise PromptFileError(
-            f"{where}: no prompt under {prompt_key!r} (keys present: {present}); set "
-            "data.prompt_key to the prompt's key"
+            f"{where}: no prompt under {prompt_key!r} ({detail}); set data.prompt_key to the "
+            "prompt's key (a dotted path for nested keys)"
         )
-    prompt = record[prompt_key]
     if isinstance(prompt, str):
         if not prompt.strip():
             raise PromptFileError(f"{where}: the prompt {prompt_key!r} is empty")
@@ -236,7 +268,9 @@ def _validate_row(record: Any, where: str, prompt_key: str, answer_key: str) -> 
             f"{where}: the prompt {prompt_key!r} is a {type(prompt).__name__}; it must be a string "
             'or a list of chat messages [{"role": ..., "content": ...}]'
         )
-    answer = record.get(answer_key)
+    answer, _ = lookup_key_path(record, answer_key)
+    if answer is _MISSING:
+        answer = None  # answers are optional per row
     if isinstance(answer, bool) or not isinstance(answer, (str, int, float, type(None))):
         raise PromptFileError(
             f"{where}: the answer {answer_key!r} is a {type(answer).__name__}; it must be a string, "
