@@ -52,8 +52,9 @@ def run(cfg: TrainConfig) -> list[dict]:
         if resumed is not None:
             state.load_state_dict(resumed)
         driver.start(state.step, None if resumed is None else state.data)
+        warmup_stats = {}  # logged with the first RL step
         if state.step == 0 and cfg.sft_warmup_steps:
-            sft_warmup(engine, driver, cfg)
+            warmup_stats = sft_warmup(engine, driver, cfg)
         driver.sync_weights(engine.hf_weights(), version=state.step)
         for step in range(state.step, cfg.steps):
             started = time.perf_counter()
@@ -75,6 +76,7 @@ def run(cfg: TrainConfig) -> list[dict]:
             state.step = step + 1
             state.data = driver.state_dict()
             metrics = {
+                **warmup_stats,
                 **batch.metrics,
                 **advantage_stats,
                 **log_prob_gap_metrics(samples),
@@ -91,6 +93,7 @@ def run(cfg: TrainConfig) -> list[dict]:
             ):
                 save_checkpoint(engine, cfg, state.state_dict())
             driver.log(step, metrics)
+            warmup_stats = {}
         return driver.records
 
 

@@ -15,6 +15,7 @@ import torch
 from megatron_gspo.algo import AdvantageSettings, RunningMoments, compute_advantages
 from megatron_gspo.config import AlgoConfig, TrainConfig
 from megatron_gspo.metrics import reduce_step_metrics
+from megatron_gspo.run_setup import step_seed
 from megatron_gspo.samples import TrainSample
 
 if TYPE_CHECKING:
@@ -39,11 +40,7 @@ def set_old_log_probs(engine: TrainEngine, samples: list[TrainSample], algo: Alg
     if algo.old_log_prob_source == "recompute":
         # R2 replays, and routing_change_frac compares with, the routes this forward records.
         record = algo.routing_replay == "r2" or algo.log_routing_change
-        old = engine.forward_log_probs(samples, record_routes=record)
-        for index, (sample, log_probs) in enumerate(zip(samples, old.log_probs)):
-            sample.old_log_probs = log_probs
-            if old.routes is not None:
-                sample.old_routes = old.routes[index]
+        recompute_old_log_probs(engine, samples, record_routes=record)
     elif algo.old_log_prob_source == "rollout":
         for sample in samples:
             if sample.rollout_log_probs is None:
@@ -52,9 +49,26 @@ def set_old_log_probs(engine: TrainEngine, samples: list[TrainSample], algo: Alg
                 )
             sample.old_log_probs = sample.rollout_log_probs
     if algo.needs_reference_model:
-        reference = engine.forward_log_probs(samples, reference=True)
-        for sample, log_probs in zip(samples, reference.log_probs):
-            sample.ref_log_probs = log_probs
+        set_reference_log_probs(engine, samples)
+
+
+def recompute_old_log_probs(
+    engine: TrainEngine, samples: list[TrainSample], *, record_routes: bool
+) -> None:
+    """``old_log_probs`` from one forward of the training engine (and, when ``record_routes``,
+    the policy's native routes as ``old_routes``)."""
+    old = engine.forward_log_probs(samples, record_routes=record_routes)
+    for index, (sample, log_probs) in enumerate(zip(samples, old.log_probs)):
+        sample.old_log_probs = log_probs
+        if old.routes is not None:
+            sample.old_routes = old.routes[index]
+
+
+def set_reference_log_probs(engine: TrainEngine, samples: list[TrainSample]) -> None:
+    """``ref_log_probs`` from one forward of the frozen reference model."""
+    reference = engine.forward_log_probs(samples, reference=True)
+    for sample, log_probs in zip(samples, reference.log_probs):
+        sample.ref_log_probs = log_probs
 
 
 # ----------------------------------------------------------------------------------------------
@@ -117,7 +131,7 @@ def update_policy(
 ) -> dict[str, float]:
     """``ppo_epochs`` x ``num_mini_batches`` optimizer steps; metrics averaged over the steps
     (``*_max`` take the max, ``skipped`` counts)."""
-    generator = torch.Generator().manual_seed(seed * 1_000_003 + step)
+    generator = torch.Generator().manual_seed(step_seed(seed, step))
     per_step: list[dict[str, float]] = []
     for _ in range(algo.ppo_epochs):
         for batch in mini_batches(samples, algo.num_mini_batches, generator):
@@ -135,22 +149,18 @@ def sft_warmup(engine: TrainEngine, driver: Driver, cfg: TrainConfig) -> dict[st
 
     It reuses the policy update: with advantage 1 and old log-probs equal to the current ones,
     the clipped surrogate's gradient is the log-likelihood gradient (ratio 1 is inside any clip
-    range), aggregated like the RL loss. Returns the negative log-likelihood per token before the
-    first and the last warm-up step.
+    range), aggregated like the RL loss. Old log-probs are always recomputed (reference answers
+    have no rollout log-probs). Returns the negative log-likelihood per token before the first
+    and the last warm-up step (``sft_warmup_nll_first``, ``sft_warmup_nll_last``).
     """
     nll = []
     for _ in range(cfg.sft_warmup_steps):
         samples = driver.supervised_batch()
         with engine.native_routing():  # reference answers have no routes to replay
-            log_probs = engine.forward_log_probs(samples).log_probs
-            for sample, values in zip(samples, log_probs):
-                sample.old_log_probs = values
+            recompute_old_log_probs(engine, samples, record_routes=False)
             if cfg.algo.needs_reference_model:  # the KL loss term needs them
-                for sample, values in zip(
-                    samples, engine.forward_log_probs(samples, reference=True).log_probs
-                ):
-                    sample.ref_log_probs = values
-            nll.append(float(-torch.cat(log_probs).mean()))
+                set_reference_log_probs(engine, samples)
+            nll.append(float(-torch.cat([s.old_log_probs for s in samples]).mean()))
             engine.train_step(samples)
     if nll:
         logger.info("SFT warm-up: %d steps, NLL/token %.4f -> %.4f", len(nll), nll[0], nll[-1])

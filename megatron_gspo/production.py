@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Optional
 import torch
 
 from megatron_gspo.config import TrainConfig
+from megatron_gspo.run_setup import step_seed
 from megatron_gspo.samples import TrainSample
 
 if TYPE_CHECKING:
@@ -115,7 +116,7 @@ def collect_step_batch(
 def sampling_seed(cfg: TrainConfig, step: int, index: int) -> int:
     """Seed of the requests of prompt ``index`` of step ``step`` (eval: step -1)."""
     base_seed = cfg.rollout.seed if cfg.rollout.seed is not None else cfg.seed
-    return (base_seed * 1_000_003 + step) * 100_003 + index
+    return step_seed(base_seed, step) * 100_003 + index
 
 
 def generate(

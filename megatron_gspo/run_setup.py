@@ -40,6 +40,12 @@ class RunState:
         self.reward_moments.load_state_dict(state["reward_moments"])
 
 
+def step_seed(seed: int, step: int) -> int:
+    """The seed of RL step ``step`` of a run seeded ``seed``: the rollout's sampling seeds and the
+    mini-batch shuffle derive from it, so a resumed run repeats both exactly."""
+    return seed * 1_000_003 + step
+
+
 def resolve_model(cfg: TrainConfig) -> TrainConfig:
     """With ``model.hf_path``, complete the model section from its config.json (and check that
     what the user set agrees with it)."""

@@ -5,6 +5,8 @@ configuration errors.
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from .harness import (
@@ -85,12 +87,14 @@ def test_rollout_log_probs_with_kl_loss(tmp_path):
 
 
 def test_detached_log_probs_with_evaluation(tmp_path):
-    """``detach`` (old = current, one optimizer step per rollout) and evaluation every step."""
+    """``detach`` (old = current, one optimizer step per rollout) and evaluation every step, after
+    a two-step supervised warm-up, whose NLL is logged with the first step."""
     run = run_train(
         tmp_path / "out",
         [
             "steps=2",
-            *TINY,
+            *(override for override in TINY if not override.startswith("sft_warmup_steps")),
+            "sft_warmup_steps=2",
             "algo.old_log_prob_source=detach",
             "algo.num_mini_batches=1",
             "eval.interval=1",
@@ -107,6 +111,11 @@ def test_detached_log_probs_with_evaluation(tmp_path):
         for name in ("eval/greedy_accuracy", "eval/pass@1", "eval/pass@4"):
             assert 0.0 <= record[name] <= 1.0, (name, record[name])
         assert record["eval/pass@1"] <= record["eval/pass@4"]
+    first, last = records[0]["sft_warmup_nll_first"], records[0]["sft_warmup_nll_last"]
+    # Two different batches one small update apart: their order is not asserted.
+    assert math.isfinite(first) and math.isfinite(last) and first > 0 and last > 0
+    assert first != last
+    assert "sft_warmup_nll_first" not in records[1]
 
 
 def test_unknown_override_exits_2_naming_the_key(tmp_path):
