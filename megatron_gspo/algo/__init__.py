@@ -3,7 +3,7 @@
 Public API::
 
     from megatron_gspo.algo import (
-        AdvantageSettings, PolicyLossSettings, compute_advantages, policy_loss,
+        AdvantageSettings, PolicyLossSettings, RolloutCorrection, compute_advantages, policy_loss,
     )
 
 Both take tensors (and, where a reduction crosses ranks, process groups) and one frozen settings
@@ -22,10 +22,21 @@ from megatron_gspo.algo.advantages import (
     normalize_rewards,
     whiten,
 )
+from megatron_gspo.algo.corrections import (
+    CORRECTION_LEVELS,
+    CORRECTION_MODES,
+    CorrectionWeights,
+    RolloutCorrection,
+    correction_metrics,
+    correction_weights,
+    finish_correction_metrics,
+    log_prob_gap,
+)
 from megatron_gspo.algo.kl import KL_ESTIMATORS, kl_estimate
 from megatron_gspo.algo.losses import (
     LOSS_AGG_MODES,
     RATIO_FUNCTIONS,
+    SURROGATES,
     PolicyLossSettings,
     aggregate,
     policy_loss,
@@ -33,19 +44,28 @@ from megatron_gspo.algo.losses import (
 )
 
 __all__ = [
+    "CORRECTION_LEVELS",
+    "CORRECTION_MODES",
     "KL_ESTIMATORS",
     "LOSS_AGG_MODES",
     "RATIO_FUNCTIONS",
+    "SURROGATES",
     "AdvantageSettings",
+    "CorrectionWeights",
     "PolicyLossSettings",
+    "RolloutCorrection",
     "RunningMoments",
     "add_token_level_kl",
     "aggregate",
     "compute_advantages",
+    "correction_metrics",
+    "correction_weights",
     "estimate_advantages",
     "finish_advantages",
+    "finish_correction_metrics",
     "group_statistics",
     "kl_estimate",
+    "log_prob_gap",
     "normalize_rewards",
     "policy_loss",
     "sequence_log_ratio",

@@ -17,9 +17,24 @@ the algorithms):
   advantage, which GSPO cannot.
 * ``token`` (GRPO/PPO): ``r_it = exp(clamp(lp_it - lp_old_it))``.
 
-Per token: ``pg = max(-A r, -A clip(r, 1 - eps_low, 1 + eps_high))``; with dual clip (Ye et al.
-2020) ``pg = min(pg, -c A)`` where ``A < 0``. The token loss is
-``L = pg + kl_coef * KL(lp, ref) - entropy_coef * H`` and is aggregated by ``loss_agg_mode``:
+Surrogates, selected by ``PolicyLossSettings.surrogate``:
+
+* ``clip`` (PPO / GRPO / GSPO): per token ``pg = max(-A r, -A clip(r, 1 - eps_low, 1 + eps_high))``
+  with the ratio above; with dual clip (Ye et al. 2020) ``pg = min(pg, -c A)`` where ``A < 0``.
+* ``cispo`` (CISPO, MiniMax-M1, arXiv 2506.13585 eq. 4): ``pg = -sg(clip(r_it, w_low, w_high))
+  A lp_it`` with the token ratio ``r_it``: the clipped ratio is a detached weight on the
+  log-likelihood gradient, so no token's gradient is ever dropped (only its weight bounded). The
+  value includes ``lp`` as in the paper; only its gradient ``-w A grad lp`` is meaningful.
+* ``gmpo`` (GMPO, arXiv 2507.20673 eq. 4): per sequence ``pg_i = -A_i exp((1/n_i) sum_t m_it
+  c_it)`` with the token log ratio ``d_it = lp - lp_old`` clipped in log space on the side that
+  binds for the sign of ``A_i``: ``c_it = min(d_it, eps)`` for ``A_i >= 0``, ``max(d_it, -eps)``
+  for ``A_i < 0`` (the geometric mean of the token terms of PPO's min). One term per sequence,
+  so it needs sequence advantages and seq-mean-token-mean.
+
+With ``rollout_correction`` set, ``pg`` is multiplied by the detached importance weights of
+:mod:`megatron_gspo.algo.corrections` between the old policy and the rollout engine's behaviour
+log-probs. The token loss is ``L = pg + kl_coef * KL(lp, ref) - entropy_coef * H`` and is
+aggregated by ``loss_agg_mode``:
 
 * ``token-mean``: ``sum_it m L / N_tok``
 * ``seq-mean-token-sum``: ``sum_it m L / N_seq``
@@ -42,18 +57,23 @@ tokens; ``n_i`` must then be the full lengths.
 
 Metrics are 0-d tensors pre-normalised for SUM reduction across micro-batches and ranks (token
 metrics divided by ``N_tok``, sequence metrics by ``N_seq`` with each sequence's tokens weighted
-``1/n_i``), except names ending in ``_max``, which reduce with MAX.
+``1/n_i``), except names ending in ``_max`` and ``_min``, which reduce with MAX and MIN.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Optional, Union
+from typing import NamedTuple, Optional, Union
 
 import torch
 import torch.distributed as dist
 
+from megatron_gspo.algo.corrections import (
+    RolloutCorrection,
+    correction_metrics,
+    correction_weights,
+)
 from megatron_gspo.algo.kl import KL_ESTIMATORS, kl_estimate
 
 Number = Union[float, int, torch.Tensor]
@@ -146,14 +166,18 @@ def aggregate(
     raise ValueError(f"unknown loss_agg_mode {mode!r}; known: {', '.join(LOSS_AGG_MODES)}")
 
 
+SURROGATES = ("clip", "cispo", "gmpo")
+
+
 @dataclass(frozen=True)
 class PolicyLossSettings:
     """What :func:`policy_loss` computes, fixed for a run (built once, e.g. by
     ``AlgoConfig.policy_loss_settings()``). Tensors and process groups stay arguments.
 
     Fields without a default choose the algorithm; the others default to "off" (no dual clip, no
-    KL term, no entropy bonus) or to the value the formulas below name. A new loss option is a new
-    field with an "off" default, so that existing settings keep their numbers.
+    KL term, no entropy bonus, the clipped surrogate, no rollout correction) or to the value the
+    formulas below name. A new loss option is a new field with an "off" default, so that existing
+    settings keep their numbers.
     """
 
     importance_sampling: str
@@ -183,6 +207,16 @@ class PolicyLossSettings:
     the call."""
     log_ratio_clamp: float = 10.0
     """Log ratios are clamped to ``+-log_ratio_clamp`` before ``exp`` (verl clamps at 10)."""
+    surrogate: str = "clip"
+    """``clip`` (PPO-clipped, with ``importance_sampling``'s ratio), ``cispo`` or ``gmpo`` (module
+    docstring); the last two use the token ratio (``importance_sampling="token"``)."""
+    cispo_weight_bounds: Optional[tuple[float, float]] = None
+    """``(w_low, w_high)``: CISPO's detached weight is ``clip(r_it, w_low, w_high)``."""
+    gmpo_log_clip: Optional[float] = None
+    """``eps`` of GMPO: token log ratios are clipped at ``+-eps`` (on the binding side)."""
+    rollout_correction: Optional[RolloutCorrection] = None
+    """Importance weights between the old policy and the rollout engine's behaviour policy
+    (:mod:`megatron_gspo.algo.corrections`); needs ``behaviour_log_probs``. None: off."""
 
     def __post_init__(self) -> None:
         if self.importance_sampling not in RATIO_FUNCTIONS:
@@ -198,6 +232,131 @@ class PolicyLossSettings:
             raise ValueError(
                 f"unknown KL estimator {self.kl_estimator!r}; known: {', '.join(KL_ESTIMATORS)}"
             )
+        if self.surrogate not in SURROGATES:
+            raise ValueError(
+                f"unknown surrogate {self.surrogate!r}; known: {', '.join(SURROGATES)}"
+            )
+        if self.surrogate != "clip":
+            if self.importance_sampling != "token":
+                raise ValueError(
+                    f"{self.surrogate} is built on token ratios: importance_sampling='token'"
+                )
+            if self.dual_clip_constant is not None:
+                raise ValueError(
+                    f"dual clip applies to the clipped surrogate, not {self.surrogate}"
+                )
+        if self.surrogate == "cispo" and self.cispo_weight_bounds is None:
+            raise ValueError("surrogate='cispo' needs cispo_weight_bounds=(w_low, w_high)")
+        if self.surrogate == "gmpo":
+            if self.gmpo_log_clip is None:
+                raise ValueError("surrogate='gmpo' needs gmpo_log_clip")
+            if self.loss_agg_mode != "seq-mean-token-mean":
+                raise ValueError(
+                    "GMPO has one term per sequence: loss_agg_mode='seq-mean-token-mean'"
+                )
+            correction = self.rollout_correction
+            if correction is not None and correction.level == "token":
+                raise ValueError(
+                    "GMPO has one term per sequence: a token-level correction cannot weight it"
+                )
+
+
+class _Surrogate(NamedTuple):
+    """One surrogate's per-token loss ``[B, T]`` and what the clip metrics count."""
+
+    pg: torch.Tensor
+    ratio: torch.Tensor
+    """The ratio that multiplies the advantage (``ratio_mean``)."""
+    seq_log_ratio: torch.Tensor
+    """``[B]`` ``(1/n_i) sum_t m (lp - lp_old)``, unclipped."""
+    low: torch.Tensor
+    """Tokens below the clip range."""
+    high: torch.Tensor
+    """Tokens above the clip range."""
+    binding_low: torch.Tensor
+    binding_high: torch.Tensor
+    dual_bound: Optional[torch.Tensor] = None
+    unbounded: Optional[torch.Tensor] = None
+
+
+def _clip_surrogate(log_probs, old_log_probs, advantages, mask, lengths, settings, sequence_group):
+    ratio, seq_log_ratio = RATIO_FUNCTIONS[settings.importance_sampling](
+        log_probs, old_log_probs, mask, lengths, settings.log_ratio_clamp, sequence_group
+    )
+    clip_low, clip_high = settings.clip_low, settings.clip_high
+    unclipped = -advantages * ratio
+    clipped_ratio = ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
+    clipped = -advantages * clipped_ratio
+    pg = torch.maximum(unclipped, clipped)
+    dual_bound = unbounded = None
+    if settings.dual_clip_constant is not None:
+        dual_bound = -settings.dual_clip_constant * advantages
+        unbounded = pg
+        pg = torch.where(advantages < 0, torch.minimum(pg, dual_bound), pg)
+    with torch.no_grad():
+        ratio_value = ratio.detach()
+        low = ratio_value < 1.0 - clip_low
+        high = ratio_value > 1.0 + clip_high
+    return _Surrogate(
+        pg=pg,
+        ratio=ratio,
+        seq_log_ratio=seq_log_ratio,
+        low=low,
+        high=high,
+        binding_low=low & (advantages < 0),
+        binding_high=high & (advantages > 0),
+        dual_bound=dual_bound,
+        unbounded=unbounded,
+    )
+
+
+def _cispo_surrogate(log_probs, old_log_probs, advantages, mask, lengths, settings, sequence_group):
+    ratio, seq_log_ratio = token_ratio(
+        log_probs, old_log_probs, mask, lengths, settings.log_ratio_clamp, sequence_group
+    )
+    weight_low, weight_high = settings.cispo_weight_bounds
+    ratio = ratio.detach()
+    weight = ratio.clamp(weight_low, weight_high)
+    pg = -weight * advantages * _masked(log_probs, mask)
+    low, high = ratio < weight_low, ratio > weight_high
+    # The weight is bounded whatever the sign of A, and no gradient is dropped: every bounded
+    # weight "binds".
+    return _Surrogate(pg, weight, seq_log_ratio, low, high, low, high)
+
+
+def _gmpo_surrogate(log_probs, old_log_probs, advantages, mask, lengths, settings, sequence_group):
+    epsilon = settings.gmpo_log_clip
+    token_log_ratio = _masked(log_probs - old_log_probs, mask).clamp(
+        -settings.log_ratio_clamp, settings.log_ratio_clamp
+    )
+    positive = advantages >= 0
+    clipped = torch.where(
+        positive, token_log_ratio.clamp(max=epsilon), token_log_ratio.clamp(min=-epsilon)
+    )
+    local_sums = _masked(clipped, mask).sum(dim=-1)
+    if sequence_group is not None and dist.get_world_size(sequence_group) > 1:
+        from torch.distributed.nn.functional import all_reduce
+
+        local_sums = all_reduce(local_sums, op=dist.ReduceOp.SUM, group=sequence_group)
+    log_ratio = (local_sums / lengths.clamp(min=1)).clamp(
+        -settings.log_ratio_clamp, settings.log_ratio_clamp
+    )
+    ratio = torch.exp(log_ratio).unsqueeze(-1).expand_as(log_probs)
+    pg = -advantages * ratio
+    with torch.no_grad():
+        seq_log_ratio = sequence_log_ratio(log_probs, old_log_probs, mask, lengths, sequence_group)
+        values = token_log_ratio.detach()
+        low, high = values < -epsilon, values > epsilon
+    return _Surrogate(
+        pg, ratio, seq_log_ratio, low, high, low & (advantages < 0), high & (advantages > 0)
+    )
+
+
+SURROGATE_FUNCTIONS: dict[str, Callable] = {
+    "clip": _clip_surrogate,
+    "cispo": _cispo_surrogate,
+    "gmpo": _gmpo_surrogate,
+}
 
 
 def policy_loss(
@@ -209,21 +368,24 @@ def policy_loss(
     *,
     ref_log_probs: Optional[torch.Tensor] = None,
     entropy: Optional[torch.Tensor] = None,
+    behaviour_log_probs: Optional[torch.Tensor] = None,
     num_sequences: Optional[Number] = None,
     num_tokens: Optional[Number] = None,
     sequence_lengths: Optional[torch.Tensor] = None,
     sequence_group: Optional[dist.ProcessGroup] = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Clipped policy-gradient loss (GSPO / GSPO-token / GRPO) and its metrics.
+    """Policy-gradient loss (clipped GSPO / GSPO-token / GRPO, CISPO or GMPO) and its metrics.
 
     Args:
         log_probs: ``[B, T]`` current log-probs of the sampled tokens (requires grad).
         old_log_probs: ``[B, T]`` log-probs under the sampling (old) policy.
-        advantages: ``[B]`` or ``[B, T]``.
+        advantages: ``[B]`` or ``[B, T]`` (GMPO: ``[B]``).
         response_mask: ``[B, T]`` bool; only these tokens enter the loss, its gradient and metrics.
         settings: the loss's configuration (:class:`PolicyLossSettings`).
         ref_log_probs: ``[B, T]`` reference log-probs: adds ``settings.kl_coef * KL`` per token.
         entropy: ``[B, T]`` entropy of the policy: adds ``-settings.entropy_coef * H`` per token.
+        behaviour_log_probs: ``[B, T]`` the rollout engine's log-probs ``mu`` (needed by
+            ``settings.rollout_correction``; never read at masked positions).
         num_sequences, num_tokens: global denominators ``N_seq``, ``N_tok`` (default: this batch's).
         sequence_lengths: global ``n_i`` ``[B]`` (default: ``response_mask.sum(-1)``).
         sequence_group: context-parallel group over which sequences are split (or None).
@@ -231,9 +393,6 @@ def policy_loss(
     Returns:
         ``(loss, metrics)``: the 0-d loss and 0-d metric tensors (see module docstring).
     """
-    importance_sampling = settings.importance_sampling
-    clip_low, clip_high = settings.clip_low, settings.clip_high
-    dual_clip_constant = settings.dual_clip_constant
     mask = response_mask.bool()
     maskf = mask.to(log_probs.dtype)
     lengths = maskf.sum(-1) if sequence_lengths is None else sequence_lengths.to(log_probs.dtype)
@@ -243,9 +402,8 @@ def policy_loss(
         num_tokens = maskf.sum().clamp(min=1)
     norm_length = log_probs.shape[-1] if settings.norm_length is None else settings.norm_length
 
-    ratio, seq_log_ratio = RATIO_FUNCTIONS[importance_sampling](
-        log_probs, old_log_probs.detach(), mask, lengths, settings.log_ratio_clamp, sequence_group
-    )
+    if settings.surrogate == "gmpo" and advantages.dim() != 1:
+        raise ValueError("GMPO needs one advantage per sequence ([B]), got per-token advantages")
     advantages = advantages.to(log_probs.dtype).detach()
     token_advantages = (
         advantages.unsqueeze(-1).expand_as(log_probs) if advantages.dim() == 1 else advantages
@@ -253,15 +411,31 @@ def policy_loss(
     # Zero the advantages of masked positions: a non-finite value there would otherwise reach the
     # sequence ratio's gradient as 0 * nan.
     token_advantages = _masked(token_advantages, mask)
-
-    unclipped = -token_advantages * ratio
-    clipped_ratio = ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
-    clipped = -token_advantages * clipped_ratio
-    pg = torch.maximum(unclipped, clipped)
-    dual_bound = None
-    if dual_clip_constant is not None:
-        dual_bound = -dual_clip_constant * token_advantages
-        pg = torch.where(token_advantages < 0, torch.minimum(pg, dual_bound), pg)
+    surrogate = SURROGATE_FUNCTIONS[settings.surrogate](
+        log_probs,
+        old_log_probs.detach(),
+        token_advantages,
+        mask,
+        lengths,
+        settings,
+        sequence_group,
+    )
+    pg = surrogate.pg
+    correction = None
+    if settings.rollout_correction is not None:
+        if behaviour_log_probs is None:
+            raise ValueError(
+                "rollout_correction needs behaviour_log_probs (the engine's log-probs)"
+            )
+        correction = correction_weights(
+            old_log_probs,
+            behaviour_log_probs,
+            mask,
+            settings.rollout_correction,
+            lengths=lengths,
+            sequence_group=sequence_group,
+        )
+        pg = pg * correction.weights.to(pg.dtype)
 
     def agg(values: torch.Tensor) -> torch.Tensor:
         return aggregate(
@@ -300,33 +474,37 @@ def policy_loss(
         metrics["entropy"] = token_mean(entropy)
 
     with torch.no_grad():
-        ratio_value = ratio.detach()
-        low = ratio_value < 1.0 - clip_low
-        high = ratio_value > 1.0 + clip_high
-        binding_low = low & (token_advantages < 0)
-        binding_high = high & (token_advantages > 0)
-        binding = binding_low | binding_high
-        out_of_range = low | high
+        binding_low, binding_high = surrogate.binding_low, surrogate.binding_high
         for name, flags in (
-            ("clip_frac", binding),
+            ("clip_frac", binding_low | binding_high),
             ("clip_frac_low", binding_low),
             ("clip_frac_high", binding_high),
-            ("ratio_out_of_range", out_of_range),
+            ("ratio_out_of_range", surrogate.low | surrogate.high),
         ):
             metrics[f"{name}_token"] = token_mean(flags)
             metrics[f"{name}_seq"] = sequence_mean(flags)
-        if dual_bound is not None:
-            unbounded = torch.maximum(unclipped, clipped)
-            dual = (token_advantages < 0) & (unbounded > dual_bound)
+        if surrogate.dual_bound is not None:
+            dual = (token_advantages < 0) & (surrogate.unbounded > surrogate.dual_bound)
             metrics["dual_clip_frac_token"] = token_mean(dual)
-        seq_values = seq_log_ratio.detach().unsqueeze(-1).expand_as(log_probs)
+        seq_log_ratio = surrogate.seq_log_ratio.detach()
+        seq_values = seq_log_ratio.unsqueeze(-1).expand_as(log_probs)
         metrics["seq_log_ratio_mean"] = sequence_mean(seq_values)
         metrics["seq_log_ratio_abs_mean"] = sequence_mean(seq_values.abs())
         valid_sequences = lengths > 0
         metrics["seq_log_ratio_abs_max"] = (
-            seq_log_ratio.detach().abs()[valid_sequences].max()
+            seq_log_ratio.abs()[valid_sequences].max()
             if bool(valid_sequences.any())
             else torch.zeros((), dtype=log_probs.dtype)
         )
-        metrics["ratio_mean"] = token_mean(ratio_value)
+        metrics["ratio_mean"] = token_mean(surrogate.ratio)
+        if correction is not None:
+            metrics.update(
+                correction_metrics(
+                    correction,
+                    mask,
+                    lengths=lengths,
+                    num_tokens=num_tokens,
+                    num_sequences=num_sequences,
+                )
+            )
     return loss, metrics

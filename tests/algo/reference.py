@@ -79,6 +79,7 @@ def reference_policy_loss(
     sequence_lengths: Optional[list[float]] = None,
     norm_length: Optional[float] = None,
     log_ratio_clamp: float = 10.0,
+    pg_weights: Optional[torch.Tensor] = None,
 ) -> dict[str, torch.Tensor]:
     """Loss and its parts, sequence by sequence, over the unmasked tokens only.
 
@@ -89,6 +90,7 @@ def reference_policy_loss(
     sequence ``i`` is ``1/N_tok`` (token-mean), ``1/N_seq`` (seq-mean-token-sum),
     ``1/(n_i N_seq)`` (seq-mean-token-mean), ``1/T_norm`` (seq-mean-token-sum-norm, ROLL's and
     verl's meaning), ``1/(N_seq T_norm)`` (dr-grpo, TRL's).
+    ``pg_weights`` ``[B, T]`` (a rollout correction) multiplies ``pg`` token by token.
     Returns ``loss``, ``pg_loss``, ``kl_loss`` and ``entropy_loss`` (each aggregated alike).
     """
     batch, width = log_probs.shape
@@ -127,6 +129,8 @@ def reference_policy_loss(
             "dr-grpo": 1.0 / (num_sequences * norm_length),
         }[loss_agg_mode]
         pg = token_objective(ratio, adv, clip_low, clip_high, dual_clip_constant)
+        if pg_weights is not None:
+            pg = pg * pg_weights[i, index]
         parts["pg_loss"] = parts["pg_loss"] + weight * pg.sum()
         if ref_log_probs is not None:
             kl = kl_reference(lp, ref_log_probs[i, index], kl_estimator, kl_clamp)
@@ -138,6 +142,129 @@ def reference_policy_loss(
         parts["pg_loss"] + kl_coef * parts["kl_loss"] - entropy_coef * parts["entropy_loss"]
     )
     return parts
+
+
+# ------------------------------------------------------------------------------------------------
+# Rollout corrections, CISPO, GMPO
+# ------------------------------------------------------------------------------------------------
+
+SAFETY = 20.0
+
+
+def reference_correction_weights(
+    old_log_probs: torch.Tensor,
+    behaviour_log_probs: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    level: str,
+    mode: str,
+    high: float,
+    low: Optional[float] = None,
+) -> torch.Tensor:
+    """``[B, T]`` float64 weights, 0 outside the mask, one Python float at a time.
+
+    token: ``x = exp(clamp(old - mu, +-20))`` per token; sequence: ``x = exp(clamp((1/n_i)
+    sum_t (old - mu), +-20))`` (the geometric mean of the token ratios) shared by the sequence.
+    truncate: ``min(x, high)``; mask: ``x`` if ``low <= x <= high`` else 0.
+    """
+    batch, width = mask.shape
+    out = torch.zeros(batch, width, dtype=torch.float64)
+    for i in range(batch):
+        columns = [t for t in range(width) if mask[i, t]]
+        if not columns:
+            continue
+        gaps = [float(old_log_probs[i, t]) - float(behaviour_log_probs[i, t]) for t in columns]
+        if level == "token":
+            ratios = [math.exp(min(max(g, -SAFETY), SAFETY)) for g in gaps]
+        else:
+            mean = math.fsum(gaps) / len(gaps)
+            ratios = [math.exp(min(max(mean, -SAFETY), SAFETY))] * len(gaps)
+        for t, x in zip(columns, ratios):
+            if mode == "truncate":
+                out[i, t] = min(x, high)
+            else:
+                out[i, t] = x if low <= x <= high else 0.0
+    return out
+
+
+def _weight_of(agg: str, length: float, num_sequences: float, num_tokens: float, norm: float):
+    return {
+        "token-mean": 1.0 / num_tokens,
+        "seq-mean-token-sum": 1.0 / num_sequences,
+        "seq-mean-token-mean": 1.0 / (length * num_sequences),
+        "seq-mean-token-sum-norm": 1.0 / norm,
+        "dr-grpo": 1.0 / (num_sequences * norm),
+    }[agg]
+
+
+def reference_cispo_loss(
+    log_probs: torch.Tensor,
+    old_log_probs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    weight_low: float,
+    weight_high: float,
+    loss_agg_mode: str,
+    pg_weights: Optional[torch.Tensor] = None,
+    log_ratio_clamp: float = 10.0,
+) -> torch.Tensor:
+    """CISPO (MiniMax-M1 eq. 4): ``-sum sg(clip(r_it, w_low, w_high)) A_it log pi(y_it)``,
+    ``r_it = exp(clamp(lp - old, +-C))``, aggregated like the other losses."""
+    batch, width = log_probs.shape
+    rows = [mask[i].nonzero().flatten() for i in range(batch)]
+    num_sequences = float(sum(1 for r in rows if len(r)))
+    num_tokens = float(sum(len(r) for r in rows))
+    total = torch.zeros((), dtype=torch.float64)
+    for i in range(batch):
+        index = rows[i]
+        if len(index) == 0:
+            continue
+        lp, old = log_probs[i, index], old_log_probs[i, index]
+        adv = advantages[i].expand(len(index)) if advantages.dim() == 1 else advantages[i, index]
+        ratio = torch.exp((lp - old).clamp(-log_ratio_clamp, log_ratio_clamp)).detach()
+        weight = ratio.clamp(weight_low, weight_high)
+        term = -weight * adv * lp
+        if pg_weights is not None:
+            term = term * pg_weights[i, index]
+        scale = _weight_of(loss_agg_mode, float(len(index)), num_sequences, num_tokens, width)
+        total = total + scale * term.sum()
+    return total
+
+
+def reference_gmpo_loss(
+    log_probs: torch.Tensor,
+    old_log_probs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    epsilon: float,
+    pg_weights: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """GMPO (arXiv 2507.20673 eq. 4), as a loss:
+    ``-(1/N_seq) sum_i sign(A_i) prod_t |min(r_it A_i, clip(r_it, e^-eps, e^eps) A_i)|^(1/n_i)``.
+
+    Written literally: the product of the token terms' magnitudes in float64, then the n_i-th
+    root, so it shares nothing with the log-space implementation.
+    """
+    batch, _ = log_probs.shape
+    rows = [mask[i].nonzero().flatten() for i in range(batch)]
+    num_sequences = float(sum(1 for r in rows if len(r)))
+    low, high = math.exp(-epsilon), math.exp(epsilon)
+    total = torch.zeros((), dtype=torch.float64)
+    for i in range(batch):
+        index = rows[i]
+        if len(index) == 0:
+            continue
+        advantage = advantages[i]
+        ratio = torch.exp(log_probs[i, index] - old_log_probs[i, index])
+        terms = torch.minimum(ratio * advantage, ratio.clamp(low, high) * advantage).abs()
+        product = torch.prod(terms)
+        term = torch.sign(advantage) * product ** (1.0 / len(index))
+        if pg_weights is not None:
+            term = term * pg_weights[i, index[0]]
+        total = total - term / num_sequences
+    return total
 
 
 # ------------------------------------------------------------------------------------------------
