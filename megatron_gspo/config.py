@@ -656,6 +656,9 @@ class OptimConfig:
 # --------------------------------------------------------------------------------------------
 
 
+ROLLOUT_DTYPES = ("float32", "bfloat16", "float16")
+
+
 @dataclass
 class RolloutConfig:
     """Where samples come from."""
@@ -664,6 +667,15 @@ class RolloutConfig:
     """embedded (the policy as a transformers model in the trainer process, the default and the
     CPU path), embedded_http (the same engine behind a loopback HTTP server, driven through the
     SGLang client) or sglang (SGLang servers)."""
+    dtype: str = "float32"
+    """Parameter and compute dtype of the embedded engines (``embedded``, ``embedded_http``):
+    float32 (the default: an exact twin of the fp32 trainer, train/rollout k3 KL about 1e-13),
+    bfloat16 or float16. Weights are cast when they are synced, and the whole forward, MoE router
+    included, runs in that dtype, as SGLang's does, so the engine's log-probs and routes really
+    differ from the trainer's (the training-inference mismatch of real runs; see
+    docs/algorithms.md). Logits come out of the output layer in this dtype and the log-softmax is
+    taken in float32, as SGLang's logits processor and sampler do. SGLang picks its own dtype
+    (its ``--dtype``, in ``sglang_extra_args``), so this must stay float32 with engine=sglang."""
     temperature: float = 1.0
     """Sampling temperature; training log-probs are computed at the same temperature."""
     top_p: float = 1.0
@@ -726,6 +738,20 @@ class RolloutConfig:
             ("embedded", "embedded_http", "sglang"),
             "these are the rollout engines",
         )
+        _check_choice(
+            "rollout.dtype",
+            self.dtype,
+            ROLLOUT_DTYPES,
+            "the embedded engine runs in float32, bfloat16 or float16",
+        )
+        if self.engine == "sglang" and self.dtype != "float32":
+            raise ConfigError(
+                "rollout.dtype",
+                f"rollout.dtype={self.dtype!r} with rollout.engine='sglang'",
+                "rollout.dtype sets the embedded engine's precision; SGLang servers choose their "
+                "own (bfloat16 for bf16 checkpoints by default)",
+                "leave rollout.dtype=float32 and pass '--dtype' through rollout.sglang_extra_args",
+            )
         _check_choice(
             "rollout.weight_transport",
             self.weight_transport,

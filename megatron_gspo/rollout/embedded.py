@@ -6,7 +6,12 @@ SGLang changes speed, not numbers:
 * log-probs at the sampling temperature, before top-k/top-p truncation (see ``sampling.py``);
   greedy decoding for ``temperature == 0`` (log-probs then at temperature 1);
 * routed experts ``[L - 1, M, K]`` of its own routers, logical ids, dense layers skipped;
-* a weight version that only ``sync_weights`` changes.
+* a weight version that only ``sync_weights`` changes;
+* in a reduced precision (``dtype`` bfloat16 / float16, ``rollout.dtype``) every layer, the MoE
+  router included, computes in that dtype and the output layer returns logits in it; they are
+  upcast to float32 before the temperature, the log-softmax and sampling, as SGLang's
+  ``LogitsProcessor`` (``logits.float()``) and ``Sampler`` (softmax / log in float32) do. So
+  routes and log-probs differ from the fp32 trainer's as SGLang's do.
 
 One difference: it stops on ``stop_token_ids`` only, whereas SGLang also stops on the model's
 EOS token unless ``ignore_eos``; put the EOS id in ``stop_token_ids`` (the trainer does) to get
@@ -103,7 +108,9 @@ class EmbeddedEngine(RolloutEngine):
         seed: initialises the random weights and the seeds of requests that carry none.
         max_batch_size: most samples decoded together (longer lists run in several batches,
             grouped by prompt length to limit padding).
-        dtype: parameter and compute dtype (fp32 on CPU).
+        dtype: parameter and compute dtype of the whole forward, router included (``rollout.
+            dtype``): float32 is the trainer's exact twin; bfloat16 / float16 cast the weights
+            at each sync and compute in that dtype, as SGLang does (a real mismatch).
         pause_wait_timeout_s: how long ``generate`` waits for ``resume`` after ``pause``.
         hf_model: use this transformers model instead of building one (shares its weights).
     """
@@ -127,6 +134,7 @@ class EmbeddedEngine(RolloutEngine):
             else build_hf_model(model_config, dtype=dtype, seed=seed)
         )
         self.hf_model.eval()
+        self.reduced_precision = next(self.hf_model.parameters()).dtype != torch.float32
         self.max_batch_size = max_batch_size
         self.pause_wait_timeout_s = pause_wait_timeout_s
         self.moe_layer_indices = moe_layer_indices(self.hf_model)
@@ -153,10 +161,10 @@ class EmbeddedEngine(RolloutEngine):
     def from_config(
         cls, model: ModelConfig, rollout: Optional[RolloutConfig] = None, *, seed: int = 0
     ) -> EmbeddedEngine:
-        """The engine for ``model``; ``rollout`` carries no field the embedded engine uses
-        (sampling settings travel in each request)."""
-        del rollout
-        return cls(model, seed=seed)
+        """The engine for ``model`` in ``rollout.dtype`` (float32 without ``rollout``); the
+        sampling settings travel in each request."""
+        dtype = torch.float32 if rollout is None else getattr(torch, rollout.dtype)
+        return cls(model, seed=seed, dtype=dtype)
 
     # ------------------------------------------------------------------ properties and info
 
@@ -176,6 +184,7 @@ class EmbeddedEngine(RolloutEngine):
             "moe_router_topk": self.model_config.moe_router_topk if self.moe_layer_indices else 0,
             "vocab_size": self.vocab_size,
             "max_position_embeddings": self.max_positions,
+            "dtype": str(next(self.hf_model.parameters()).dtype).removeprefix("torch."),
         }
 
     @property
@@ -376,20 +385,42 @@ class EmbeddedEngine(RolloutEngine):
         with self._model_lock, torch.inference_mode():
             self._recorder.enabled = want_routes
             try:
-                output = self.hf_model(
-                    input_ids=input_ids,
-                    attention_mask=attention_mask,
-                    position_ids=position_ids,
-                    past_key_values=cache,
-                    use_cache=True,
-                    logits_to_keep=1,
-                )
+                if self.reduced_precision:
+                    logits = self._reduced_precision_logits(
+                        input_ids, attention_mask, position_ids, cache
+                    )
+                else:
+                    logits = self.hf_model(
+                        input_ids=input_ids,
+                        attention_mask=attention_mask,
+                        position_ids=position_ids,
+                        past_key_values=cache,
+                        use_cache=True,
+                        logits_to_keep=1,
+                    ).logits[:, -1, :]
                 routes = None
                 if want_routes:
                     routes = torch.stack(self._recorder.pop(batch_size, seq_len), dim=2)
             finally:
                 self._recorder.enabled = False
-            return output.logits[:, -1, :].float(), self._weight_version, routes
+            # In a reduced-precision engine the logits leave the output layer in bf16/fp16; the
+            # softmax that follows runs in float32, as in SGLang (see the module docstring).
+            return logits.float(), self._weight_version, routes
+
+    def _reduced_precision_logits(self, input_ids, attention_mask, position_ids, cache):
+        """``[B, V]`` last-position logits of a bf16 / fp16 model: the decoder, then the output
+        layer on the contiguous ``[B, H]`` last hidden states. (transformers applies it to the
+        strided ``[B, 1, H]`` slice of a prefill, for which torch's CPU matmul copies the
+        ``[V, H]`` weight once per row in bf16: 512 MB and seconds per prefill at V = 8,192.)
+        Same operations as the ``*ForCausalLM`` forward of the supported architectures."""
+        hidden = self.hf_model.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            past_key_values=cache,
+            use_cache=True,
+        ).last_hidden_state
+        return self.hf_model.lm_head(hidden[:, -1, :].contiguous())
 
     def _generate_batch(self, batch: list[_Sample]) -> None:
         # Inference mode, not just no_grad: no version counters or view tracking on the ~100

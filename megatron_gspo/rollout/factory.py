@@ -47,7 +47,7 @@ def build_rollout_engine(
     from megatron_gspo.rollout.embedded import EmbeddedEngine
 
     if rollout.engine == "embedded":
-        return EmbeddedEngine(model, seed=seed)
+        return EmbeddedEngine.from_config(model, rollout, seed=seed)
 
     from megatron_gspo.rollout.sglang_client import SGLangEngine
     from megatron_gspo.rollout.sglang_protocol import RouteLayout
@@ -63,7 +63,9 @@ def build_rollout_engine(
     if rollout.engine == "embedded_http":
         from megatron_gspo.rollout.server import EmbeddedServer
 
-        server = EmbeddedServer(EmbeddedEngine(model, seed=seed), api_key=new_api_key()).start()
+        server = EmbeddedServer(
+            EmbeddedEngine.from_config(model, rollout, seed=seed), api_key=new_api_key()
+        ).start()
         # The loopback server takes weights from disk only (it offers no IPC/NCCL endpoints).
         transport = DiskTransport(os.path.join(work_dir, "weights"), config_json=None)
         return SGLangEngine(

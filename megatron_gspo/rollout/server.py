@@ -44,6 +44,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Optional
 from urllib.parse import urlparse
 
+import torch
+
 from megatron_gspo.rollout.auth import bearer_matches, host_header_is_loopback, new_api_key
 from megatron_gspo.rollout.embedded import EmbeddedEngine
 from megatron_gspo.rollout.sglang_protocol import RouteLayout, result_json
@@ -443,7 +445,7 @@ class _Handler(BaseHTTPRequestHandler):
 
 def main(argv: Optional[list[str]] = None) -> None:
     """``python -m megatron_gspo.rollout.server --api-key KEY --port P [--model-config JSON]
-    [--seed S]``: serve a randomly initialised embedded engine until interrupted (weights arrive
+    [--seed S] [--dtype float32|bfloat16|float16]``: serve a randomly initialised embedded engine until interrupted (weights arrive
     through ``/update_weights_from_disk``). ``--api-key`` as SGLang's: clients must send it."""
     import argparse
     import dataclasses
@@ -454,6 +456,12 @@ def main(argv: Optional[list[str]] = None) -> None:
     parser.add_argument("--host", default=LOOPBACK_HOST, help="must be 127.0.0.1")
     parser.add_argument("--port", type=int, default=0)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--dtype",
+        default="float32",
+        choices=["float32", "bfloat16", "float16"],
+        help="the engine's parameter and compute dtype (rollout.dtype)",
+    )
     parser.add_argument(
         "--api-key", required=True, help="the secret clients send as 'Authorization: Bearer KEY'"
     )
@@ -471,7 +479,9 @@ def main(argv: Optional[list[str]] = None) -> None:
     logging.basicConfig(level=logging.INFO)
     model_config = from_dict(ModelConfig, json.loads(args.model_config), prefix="model.")
     server = EmbeddedServer(
-        EmbeddedEngine(model_config, seed=args.seed), port=args.port, api_key=args.api_key
+        EmbeddedEngine(model_config, seed=args.seed, dtype=getattr(torch, args.dtype)),
+        port=args.port,
+        api_key=args.api_key,
     )
     logger.info("embedded rollout server on %s", server.url)
     with contextlib.suppress(KeyboardInterrupt):
