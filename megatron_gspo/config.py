@@ -411,6 +411,20 @@ class AlgoConfig:
     only the comparison with the rollout's routes is available."""
     log_ratio_clamp: float = 10.0
     """|log ratio| is clamped to this before exp (sequence and token ratios), as verl does."""
+    mask_truncated: bool = False
+    """Keep responses cut by a length limit (finish reason ``length``; a trajectory cut by an
+    environment limit) out of the loss: DAPO's over-long filtering (arXiv 2503.14476, section
+    3.4). Their rewards still count in their group's baseline. Counted in
+    ``truncated_masked_frac``."""
+    dynamic_sampling: bool = False
+    """DAPO's dynamic sampling (arXiv 2503.14476, section 3.2; verl's
+    ``algorithm.filter_groups``): drop groups whose rewards are all equal (advantage 0: no
+    signal) and generate for more prompts until the batch holds rollout_batch_size informative
+    groups. Prompts of dropped groups count as consumed. Metrics: ``dynamic_sampling/...``."""
+    dynamic_sampling_max_rounds: int = 10
+    """Most generation rounds per step with dynamic_sampling (verl's
+    ``filter_groups.max_num_gen_batches``: 10); a batch still short after them is filled with
+    dropped groups (counted in ``dynamic_sampling/filled_groups``, warned)."""
 
     def __post_init__(self) -> None:
         _check_choice(
@@ -466,6 +480,7 @@ class AlgoConfig:
             "response_length",
             "ppo_epochs",
             "num_mini_batches",
+            "dynamic_sampling_max_rounds",
         ):
             _check_positive(f"algo.{name}", getattr(self, name))
         for name in ("clip_low", "clip_high"):
@@ -529,6 +544,14 @@ class AlgoConfig:
                 "'detach'",
                 "the reward term is KL(old || ref) per token, computed before any update",
                 "use algo.old_log_prob_source=recompute or rollout",
+            )
+        if self.dynamic_sampling and self.num_return_sequences_in_group < 2:
+            raise ConfigError(
+                "algo.dynamic_sampling",
+                "dynamic sampling with one response per prompt",
+                "a group of one has advantage 0 whatever its reward, so every group would be "
+                "dropped",
+                "set algo.num_return_sequences_in_group >= 2 or algo.dynamic_sampling=false",
             )
         self._warn_gspo_settings()
 
@@ -834,6 +857,14 @@ class RewardConfig:
     """A reward function that fails (raises, times out, returns no finite number) on every sample
     of this many batches in a row (training steps or evaluations) stops the run: its scores
     would all be failure_reward, which carries no signal. 0 never stops."""
+    overlong_buffer: int = 0
+    """DAPO's soft over-long punishment (arXiv 2503.14476, eq. 13; verl's
+    ``reward_model.overlong_buffer``): a response longer than algo.response_length -
+    overlong_buffer tokens loses overlong_penalty_factor x (excess / overlong_buffer) of reward,
+    the full factor at the limit. 0 disables it (DAPO uses a 4096-token buffer under a 20480-token
+    limit). Formula: docs/algorithms.md."""
+    overlong_penalty_factor: float = 1.0
+    """Largest over-long penalty (at the length limit); DAPO and verl use 1."""
     options: dict[str, dict[str, Any]] = field(default_factory=dict)
     """Keyword options per function, keyed like ``functions``, e.g.
     ``{format: {pattern: '^<answer>.*</answer>$'}, code: {timeout_s: 5}}``; the options each
@@ -878,6 +909,8 @@ class RewardConfig:
         _check_positive("reward.timeout_s", self.timeout_s)
         _check_positive("reward.max_failed_steps", self.max_failed_steps, allow_zero=True)
         _check_positive("reward.num_workers", self.num_workers)
+        _check_positive("reward.overlong_buffer", self.overlong_buffer, allow_zero=True)
+        _check_positive("reward.overlong_penalty_factor", self.overlong_penalty_factor)
 
 
 @dataclass
@@ -1060,6 +1093,13 @@ class TrainConfig:
                 f"num_layers={model.num_layers} is not divisible by pp*vpp={layers_per_chunk}",
                 "every pipeline chunk holds the same number of layers",
                 "change parallel.pp / parallel.vpp or model.num_layers",
+            )
+        if self.reward.overlong_buffer > algo.response_length:
+            raise ConfigError(
+                "reward.overlong_buffer",
+                f"{self.reward.overlong_buffer} > algo.response_length={algo.response_length}",
+                "the penalty grows over the last overlong_buffer tokens before the length limit",
+                "set reward.overlong_buffer <= algo.response_length (0 disables it)",
             )
         if algo.routing_replay != "none" and not model.is_moe:
             raise ConfigError(
