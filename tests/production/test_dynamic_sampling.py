@@ -16,21 +16,10 @@ from megatron_gspo.production import (
     is_informative,
     merge_round_metrics,
 )
-from megatron_gspo.reward import RewardInput, RewardRunner
+from megatron_gspo.reward import RewardRunner
 from megatron_gspo.rollout.embedded import EmbeddedEngine
 
-MODULE = __name__
-
-
-def first_digit_is_even(sample: RewardInput) -> float:
-    """1 when the response starts with an even digit: about half of the untrained model's
-    responses, so groups of two are all-equal half of the time."""
-    ids = list(sample.response_ids)
-    return float(bool(ids) and ids[0] <= 9 and ids[0] % 2 == 0)
-
-
-def constant(sample: RewardInput) -> float:
-    return 0.5
+MODULE = f"{__name__.rpartition('.')[0]}.binary_rewards".lstrip(".")
 
 
 class RecordingProducer(SingleTurnProducer):
