@@ -13,9 +13,10 @@ Modules: ``compat`` (CPU shims, version checks), ``parallel`` (process groups), 
 (TransformerConfig, layer spec, PolicyModel, DDP), ``sharding`` (global names, full <-> local,
 seed init), ``attention`` (CPU THD / context-parallel core attention), ``packing`` (THD packing,
 data- and context-parallel splits), ``batches`` (TrainSample -> micro-batches), ``train_step``
-(TrainEngine), ``logprobs`` (vocab-parallel log-probs), ``checkpoint`` + ``optimizer_state``
-(distributed checkpoints), ``routing_replay`` (R2/R3 on Megatron's RouterReplay, routing-change
-metrics), ``hf_weights`` (Hugging Face weights in and out).
+(TrainEngine), ``optimizer`` (AdamW, clipping, lr schedule), ``logprobs`` (vocab-parallel
+log-probs), ``checkpoint`` + ``optimizer_state`` (distributed checkpoints), ``routing_replay``
+(R2/R3 on Megatron's RouterReplay, routing-change metrics), ``hf_weights`` (Hugging Face weights
+in and out).
 """
 
 from __future__ import annotations
@@ -45,8 +46,8 @@ _EXPORTS = {
     "pack_sequences": "packing",
     "TrainEngine": "train_step",
     "NonFiniteStepsError": "train_step",
-    "build_optimizer": "train_step",
-    "build_scheduler": "train_step",
+    "build_optimizer": "optimizer",
+    "build_scheduler": "optimizer",
     "vocab_parallel_log_probs": "logprobs",
     "save_checkpoint": "checkpoint",
     "load_checkpoint": "checkpoint",

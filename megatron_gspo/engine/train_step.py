@@ -32,8 +32,6 @@ from typing import TYPE_CHECKING, Any, Optional
 import torch
 import torch.distributed as dist
 from megatron.core.distributed import finalize_model_grads
-from megatron.core.optimizer import OptimizerConfig, clip_grads, get_megatron_optimizer
-from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
@@ -60,7 +58,7 @@ from megatron_gspo.engine.model import (
     unwrap,
     wrap_with_ddp,
 )
-from megatron_gspo.engine.optimizer_state import sub_optimizers
+from megatron_gspo.engine.optimizer import build_optimizer, build_scheduler, clip_gradients
 from megatron_gspo.engine.packing import padding_multiple
 from megatron_gspo.engine.parallel import ParallelState, initialize_parallel
 from megatron_gspo.engine.routing_replay import PolicyRouting, RoutingPass, check_never_replays
@@ -76,88 +74,6 @@ logger = logging.getLogger(__name__)
 
 class NonFiniteStepsError(RunStopped):
     """Too many consecutive optimizer steps had a non-finite loss or gradient norm."""
-
-
-def build_optimizer(cfg: TrainConfig, model: Sequence[torch.nn.Module]):
-    """Megatron AdamW (distributed optimizer when ``parallel.use_distributed_optimizer``) with
-    global grad-norm clipping ``optim.clip_grad``.
-
-    Checkpoints do not use Megatron's optimizer ``sharded_state_dict`` (whose distributed
-    variants do not resume exactly on megatron-core 0.16.1): ``engine/optimizer_state.py`` saves
-    the Adam state sharded like the parameters, so both optimizers resume exactly at any layout.
-    """
-    optim = cfg.optim
-    bf16 = cfg.model.dtype == "bfloat16"
-    config = OptimizerConfig(
-        optimizer="adam",
-        lr=optim.lr,
-        min_lr=optim.min_lr,
-        weight_decay=optim.weight_decay,
-        adam_beta1=optim.adam_beta1,
-        adam_beta2=optim.adam_beta2,
-        adam_eps=optim.adam_eps,
-        clip_grad=optim.clip_grad,
-        bf16=bf16,
-        fp16=False,
-        params_dtype=torch.bfloat16 if bf16 else torch.float32,
-        use_distributed_optimizer=cfg.parallel.use_distributed_optimizer,
-    )
-    # Gloo sub-groups are not created on CPU (every group already is gloo there).
-    optimizer = get_megatron_optimizer(
-        config, list(model), use_gloo_process_groups=cuda_available()
-    )
-    if not cuda_available():
-        # Without TE/apex Megatron falls back to torch.optim.AdamW with neither `foreach` nor
-        # `fused`: a Python loop over tensors. Torch's fused CPU kernel applies the same update
-        # (equal to float rounding: ~1 ulp per step) several times faster. Set before the first
-        # step, which creates the state.
-        for sub in sub_optimizers(optimizer):
-            for group in sub.optimizer.param_groups:
-                group["fused"] = True
-    return optimizer
-
-
-def clip_gradients(optimizer: Any, total_norm: float) -> None:
-    """Scale the main gradients by ``min(1, clip_grad / total_norm)``: what Megatron's
-    ``ChainedOptimizer.step`` does after computing the global norm a second time (two more
-    all-reduces per sub-optimizer), with the norm the caller already has."""
-    for sub in sub_optimizers(optimizer):
-        parameters = sub.get_parameters()
-        if parameters and sub.config.clip_grad > 0.0:
-            # Looked up at call time: engine/compat.py wraps it on CPU.
-            clip_grads.clip_grad_by_total_norm_fp32(
-                parameters,
-                max_norm=sub.config.clip_grad,
-                total_norm=total_norm,
-                use_decoupled_grad=sub.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8,
-            )
-
-
-def optimizer_steps_per_run(cfg: TrainConfig) -> int:
-    return cfg.steps * cfg.algo.ppo_epochs * cfg.algo.num_mini_batches
-
-
-def build_scheduler(cfg: TrainConfig, optimizer: Any) -> OptimizerParamScheduler:
-    """Linear warm-up over ``optim.lr_warmup_steps`` then ``lr_decay_style`` to ``min_lr`` at the
-    last optimizer step of the run. Optimizer step ``k`` (0-based) of the warm-up uses
-    ``lr (k + 1) / warmup`` (Megatron's would use 0 at the first step)."""
-    optim = cfg.optim
-    total = max(optimizer_steps_per_run(cfg), optim.lr_warmup_steps + 1)
-    scheduler = OptimizerParamScheduler(
-        optimizer,
-        init_lr=0.0,
-        max_lr=optim.lr,
-        min_lr=optim.min_lr,
-        lr_warmup_steps=optim.lr_warmup_steps,
-        lr_decay_steps=total,
-        lr_decay_style=optim.lr_decay_style,
-        start_wd=optim.weight_decay,
-        end_wd=optim.weight_decay,
-        wd_incr_steps=total,
-        wd_incr_style="constant",
-    )
-    scheduler.step(1)
-    return scheduler
 
 
 def packed_seq_params(
