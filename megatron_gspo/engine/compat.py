@@ -20,6 +20,11 @@ and :func:`apply_cpu_shims` applies only what it says is needed. ``tests/engine/
 checks every declaration on the installed version, and CI runs it on each of
 :data:`CHECKED_VERSIONS`. Differences that are not shims are detected by feature:
 :func:`has_router_replay`, :func:`gpt_postprocess_parameters`.
+
+The upstream classes we extend on every device, CPU and GPU (their instances re-classed into a
+subclass of ours, nothing global patched), are registered here too
+(:func:`registered_extensions`), each with the upstream members it relies on, which the same test
+checks on the installed version: Megatron's ``RouterReplay`` (:class:`PolicyRouterReplay`).
 """
 
 from __future__ import annotations
@@ -31,12 +36,13 @@ import logging
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Optional
 
 import megatron.core
 import torch
 import torch.distributed as dist
 from megatron.core import package_info
+from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
 
 logger = logging.getLogger(__name__)
 
@@ -691,3 +697,143 @@ def _shim_batched_experts() -> None:
         )
         return
     SequentialMLP.forward = _with_batched_experts(SequentialMLP.forward)
+
+
+# ---------------------------------------------------------------------------------------------
+# Upstream classes extended on every device (not CPU shims: nothing global is patched)
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ClassExtension:
+    """An upstream class whose instances we re-class into a subclass of ours, on CPU and GPU
+    alike. ``relies_on`` names the upstream members the subclass uses; ``tests/engine/
+    test_compat.py`` checks them (and the overridden signatures) on the installed version."""
+
+    name: str
+    upstream: str
+    needed: NeededOn
+    relies_on: tuple[str, ...]
+
+
+_EXTENSIONS: list[ClassExtension] = []
+
+
+def registered_extensions() -> list[ClassExtension]:
+    return list(_EXTENSIONS)
+
+
+class RoutingReplayError(RuntimeError):
+    """Routes were not consumed exactly once, or a router bypassed its ``RouterReplay``."""
+
+
+ROUTER_REPLAY_TOPK_PARAMETERS = (
+    "self",
+    "scores",
+    "topk",
+    "num_groups",
+    "group_topk",
+    "default_compute_topk",
+)
+"""The ``RouterReplay.get_replay_topk`` signature :class:`PolicyRouterReplay` overrides (0.16.1,
+unchanged in 0.17.1)."""
+
+_EXTENSIONS.append(
+    ClassExtension(
+        "router_replay",
+        "transformer.moe.router_replay.RouterReplay (get_replay_topk: counts what each replaying "
+        "forward consumes and keeps the native top-k for routing_change_frac; "
+        "engine/routing_replay.py adopts the policy routers' instances)",
+        NeededOn(),
+        (
+            "router_replay_action",
+            "target_topk_idx",
+            "recorded_topk_idx",
+            "replay_backward_list",
+            "get_replay_topk",
+            "clear_router_replay_action",
+            "clear_indices",
+            "set_target_indices",
+            "set_router_replay_action",
+            "global_router_replay_instances",
+        ),
+    )
+)
+
+
+class PolicyRouterReplay(RouterReplay):
+    """Megatron's ``RouterReplay`` of one policy MoE layer, counting what it consumes and keeping
+    the native top-k it computes (for ``routing_change_frac``).
+
+    Built by :meth:`adopt` from the instance Megatron's ``TopKRouter`` created, so the router,
+    Megatron's registry and the base-class state stay as upstream made them.
+    """
+
+    layer_number: int
+    """Global decoder layer number (1-based, Megatron's)."""
+    moe_index: int
+    """Column of this layer in ``[L - 1, M, K]`` routes."""
+    record_native: bool
+    native_topk_idx: Optional[torch.Tensor]
+    forward_uses: int
+
+    @classmethod
+    def adopt(cls, replay: RouterReplay, layer_number: int, moe_index: int) -> PolicyRouterReplay:
+        # Re-class Megatron's own instance instead of swapping in a new one: TopKRouter, the
+        # registry and RouterReplay's static helpers keep referring to the same object.
+        replay.__class__ = cls
+        replay.layer_number = layer_number
+        replay.moe_index = moe_index
+        replay.record_native = False
+        replay.native_topk_idx = None
+        replay.forward_uses = 0
+        return replay
+
+    def reset(self) -> None:
+        self.clear_router_replay_action()
+        self.clear_indices()
+        self.record_native = False
+        self.native_topk_idx = None
+        self.forward_uses = 0
+
+    def get_replay_topk(
+        self,
+        scores: torch.Tensor,
+        topk: int,
+        num_groups: Optional[int] = None,
+        group_topk: Optional[int] = None,
+        default_compute_topk: Optional[Callable] = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        action = self.router_replay_action
+        where = f"decoder layer {self.layer_number - 1}"
+        if action == RouterReplayAction.REPLAY_FORWARD:
+            if self.target_topk_idx is None:
+                raise RoutingReplayError(f"{where}: replay was asked but no routes were set")
+            if self.forward_uses:
+                raise RoutingReplayError(
+                    f"{where}: routed twice in one forward; its replayed routes are consumed once"
+                )
+            if self.target_topk_idx.shape != (scores.shape[0], topk):
+                raise RoutingReplayError(
+                    f"{where}: replayed routes have shape {tuple(self.target_topk_idx.shape)}, "
+                    f"the router sees {scores.shape[0]} tokens with top-{topk}"
+                )
+            self.forward_uses += 1
+            if self.record_native:
+                # The scores Megatron hands over are what native routing would rank.
+                with torch.no_grad():
+                    _, native = default_compute_topk(
+                        scores.detach(), topk, num_groups=num_groups, group_topk=group_topk
+                    )
+                self.native_topk_idx = native
+        elif action == RouterReplayAction.REPLAY_BACKWARD and not self.replay_backward_list:
+            raise RoutingReplayError(
+                f"{where}: the backward recomputation found no replayed routes left (recompute "
+                "ran more forwards than were replayed)"
+            )
+        probs, indices = super().get_replay_topk(
+            scores, topk, num_groups, group_topk, default_compute_topk
+        )
+        if action == RouterReplayAction.RECORD:
+            self.native_topk_idx = indices
+        return probs, indices

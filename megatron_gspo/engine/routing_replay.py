@@ -11,10 +11,13 @@ replay action set, Megatron's ``RouterReplay`` computes the native top-k, bit fo
 walking the policy's chunks. Megatron's process-global registry
 (``RouterReplay.global_router_replay_instances``) is never used to drive replay, so a reference
 model (built without replay: its routers have no ``RouterReplay``) or a second engine in the same
-process can never replay the policy's routes. On replay Megatron gathers the combine weights from
-the router's dense scores at the forced indices, so the router keeps its gradient; the
-load-balancing loss of megatron-core 0.16 uses its own top-k of the router logits, not the
-replayed one (replayed routes change which experts compute, not that loss).
+process can never replay the policy's routes. The adopted instances are re-classed into
+:class:`~megatron_gspo.engine.compat.PolicyRouterReplay` (registered and version-checked with the
+other upstream adaptations in ``compat.py``), which counts what each forward consumes and keeps
+the native top-k. On replay Megatron gathers the combine weights from the router's dense scores
+at the forced indices, so the router keeps its gradient; the load-balancing loss of megatron-core
+0.16 uses its own top-k of the router logits, not the replayed one (replayed routes change which
+experts compute, not that loss).
 
 Sources. Routes are ``[L - 1, M, K]`` per sample (the format of :mod:`megatron_gspo.routes`).
 The sample declares both kinds: ``TrainSample.rollout_routes`` from the rollout engine and
@@ -55,7 +58,7 @@ reported.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional
@@ -63,9 +66,10 @@ from typing import TYPE_CHECKING, Optional
 import torch
 import torch.distributed as dist
 from megatron.core import tensor_parallel
-from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
+from megatron.core.transformer.moe.router_replay import RouterReplayAction
 
 from megatron_gspo.config import TrainConfig
+from megatron_gspo.engine.compat import PolicyRouterReplay, RoutingReplayError
 from megatron_gspo.engine.parallel import ParallelState
 from megatron_gspo.routes import balanced_pad_routes, check_routes, route_dtype, topk_sets_differ
 from megatron_gspo.samples import TrainSample
@@ -75,93 +79,6 @@ if TYPE_CHECKING:
 
 _TRANSPORT_CHUNK = 1 << 26
 """Elements per all-reduce when gathering recorded routes (bounds the device buffer)."""
-
-
-class RoutingReplayError(RuntimeError):
-    """Routes were not consumed exactly once, or a router bypassed its ``RouterReplay``."""
-
-
-# ---------------------------------------------------------------------------------------------
-# Megatron's RouterReplay, instrumented
-# ---------------------------------------------------------------------------------------------
-
-
-class PolicyRouterReplay(RouterReplay):
-    """Megatron's ``RouterReplay`` of one policy MoE layer, counting what it consumes and keeping
-    the native top-k it computes (for ``routing_change_frac``).
-
-    Built by :meth:`adopt` from the instance Megatron's ``TopKRouter`` created, so the router,
-    Megatron's registry and the base-class state stay as upstream made them.
-    """
-
-    layer_number: int
-    """Global decoder layer number (1-based, Megatron's)."""
-    moe_index: int
-    """Column of this layer in ``[L - 1, M, K]`` routes."""
-    record_native: bool
-    native_topk_idx: Optional[torch.Tensor]
-    forward_uses: int
-
-    @classmethod
-    def adopt(cls, replay: RouterReplay, layer_number: int, moe_index: int) -> PolicyRouterReplay:
-        # Re-class Megatron's own instance instead of swapping in a new one: TopKRouter, the
-        # registry and RouterReplay's static helpers keep referring to the same object.
-        replay.__class__ = cls
-        replay.layer_number = layer_number
-        replay.moe_index = moe_index
-        replay.record_native = False
-        replay.native_topk_idx = None
-        replay.forward_uses = 0
-        return replay
-
-    def reset(self) -> None:
-        self.clear_router_replay_action()
-        self.clear_indices()
-        self.record_native = False
-        self.native_topk_idx = None
-        self.forward_uses = 0
-
-    def get_replay_topk(
-        self,
-        scores: torch.Tensor,
-        topk: int,
-        num_groups: Optional[int] = None,
-        group_topk: Optional[int] = None,
-        default_compute_topk: Optional[Callable] = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        action = self.router_replay_action
-        where = f"decoder layer {self.layer_number - 1}"
-        if action == RouterReplayAction.REPLAY_FORWARD:
-            if self.target_topk_idx is None:
-                raise RoutingReplayError(f"{where}: replay was asked but no routes were set")
-            if self.forward_uses:
-                raise RoutingReplayError(
-                    f"{where}: routed twice in one forward; its replayed routes are consumed once"
-                )
-            if self.target_topk_idx.shape != (scores.shape[0], topk):
-                raise RoutingReplayError(
-                    f"{where}: replayed routes have shape {tuple(self.target_topk_idx.shape)}, "
-                    f"the router sees {scores.shape[0]} tokens with top-{topk}"
-                )
-            self.forward_uses += 1
-            if self.record_native:
-                # The scores Megatron hands over are what native routing would rank.
-                with torch.no_grad():
-                    _, native = default_compute_topk(
-                        scores.detach(), topk, num_groups=num_groups, group_topk=group_topk
-                    )
-                self.native_topk_idx = native
-        elif action == RouterReplayAction.REPLAY_BACKWARD and not self.replay_backward_list:
-            raise RoutingReplayError(
-                f"{where}: the backward recomputation found no replayed routes left (recompute "
-                "ran more forwards than were replayed)"
-            )
-        probs, indices = super().get_replay_topk(
-            scores, topk, num_groups, group_topk, default_compute_topk
-        )
-        if action == RouterReplayAction.RECORD:
-            self.native_topk_idx = indices
-        return probs, indices
 
 
 # ---------------------------------------------------------------------------------------------

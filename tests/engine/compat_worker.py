@@ -208,6 +208,51 @@ def works_checks() -> dict:
     }
 
 
+def extension_checks() -> dict:
+    """extension name -> check that the upstream class still has what our subclass relies on,
+    with the signatures it overrides, and that the subclass behaves on the installed version."""
+    from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
+
+    def router_replay() -> bool:
+        (extension,) = [e for e in compat.registered_extensions() if e.name == "router_replay"]
+        registry = RouterReplay.global_router_replay_instances
+        before = list(registry)
+        instance = RouterReplay()
+        try:
+            missing = [m for m in extension.relies_on if not hasattr(instance, m)]
+            assert not missing, f"RouterReplay lacks {missing}"
+            parameters = tuple(inspect.signature(RouterReplay.get_replay_topk).parameters)
+            assert parameters == compat.ROUTER_REPLAY_TOPK_PARAMETERS, parameters
+            adopted = compat.PolicyRouterReplay.adopt(instance, layer_number=3, moe_index=1)
+            assert adopted is instance and instance in registry  # re-classed, not replaced
+            scores = torch.tensor([[0.1, 0.5, 0.2, 0.9], [0.7, 0.1, 0.6, 0.3]])
+
+            def native_topk(values, k, num_groups=None, group_topk=None):
+                weights, indices = torch.topk(values, k, dim=-1)
+                return weights, indices
+
+            forced = torch.tensor([[0, 2], [1, 3]])
+            adopted.set_target_indices(forced)
+            adopted.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
+            adopted.record_native = True
+            _, indices = adopted.get_replay_topk(scores, 2, default_compute_topk=native_topk)
+            assert torch.equal(indices, forced) and adopted.forward_uses == 1
+            assert torch.equal(adopted.native_topk_idx, torch.tensor([[3, 1], [0, 2]]))
+            try:
+                adopted.get_replay_topk(scores, 2, default_compute_topk=native_topk)
+            except compat.RoutingReplayError as error:
+                assert "decoder layer 2" in str(error) and "twice" in str(error)
+            else:
+                raise AssertionError("a second replaying call in one forward did not raise")
+            adopted.reset()
+            assert adopted.router_replay_action is None and adopted.target_topk_idx is None
+            return True
+        finally:
+            registry[:] = before
+
+    return {"router_replay": router_replay}
+
+
 def run(checks: dict) -> dict:
     return run_checks(checks, traceback_limit=3, falsy_fails=True)
 
@@ -234,7 +279,13 @@ def main() -> None:
         "checked_versions": list(compat.CHECKED_VERSIONS),
         "registered": [shim.name for shim in compat.registered_shims()],
         "declared": compat.declared_needs(),
+        "extensions": [extension.name for extension in compat.registered_extensions()],
+        "extensions_needed": {
+            extension.name: compat.needed_here(extension.needed)
+            for extension in compat.registered_extensions()
+        },
     }
+    out["extensions_fit"] = run(extension_checks())
     out["need"] = probe(need_probes() | {"sequence_parallel_norm": norm_probe})
 
     real_is_available = torch.cuda.is_available

@@ -29,6 +29,15 @@ def test_every_shim_has_a_necessity_probe_and_a_check(report):
     assert set(report["declared"]) == set(report["need"])
 
 
+def test_class_extensions_fit_the_installed_version(report):
+    """Every upstream class we extend (``compat.registered_extensions``, on CPU and GPU) still has
+    the members and signatures our subclass relies on, and the subclass works on it."""
+    assert set(report["extensions"]) == set(report["extensions_fit"]) == {"router_replay"}
+    assert all(report["extensions_needed"].values())
+    failures = {name: text for name, text in report["extensions_fit"].items() if text != "ok"}
+    assert not failures, failures
+
+
 def test_installed_megatron_core_is_a_checked_version(report):
     """CHECKED_VERSIONS lists every version CI runs: a CI pin moved without checking the shims on
     the new version fails here."""
