@@ -37,9 +37,9 @@ class ConfigWarning(UserWarning):
 
 
 def _warn(key: str, message: str) -> None:
-    text = f"config warning at '{key}': {message}"
-    logger.warning(text)
-    warnings.warn(text, ConfigWarning, stacklevel=3)
+    # A warning, not a log line: callers can filter or catch it, and the command line prints it
+    # once as a log line (megatron_gspo.console).
+    warnings.warn(f"config warning at '{key}': {message}", ConfigWarning, stacklevel=3)
 
 
 def _check_choice(key: str, value: Any, choices: tuple, why: str) -> None:
@@ -1006,7 +1006,8 @@ class LoggingConfig:
     progress_bar: bool = True
     """A progress bar with reward, clip fraction, KL and step time (driver only)."""
     log_level: str = "INFO"
-    """Python logging level of the driver (other ranks log warnings only)."""
+    """Python logging level of the driver (other ranks log warnings only). DEBUG also shows
+    Megatron-Core's own INFO messages and its notices about missing kernel libraries."""
 
 
 @dataclass

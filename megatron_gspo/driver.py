@@ -64,7 +64,8 @@ class Driver(abc.ABC):
 
     @abc.abstractmethod
     def start(self, step: int, data_state: Optional[dict]) -> None:
-        """Begin at RL step ``step``; ``data_state`` is the :meth:`state_dict` saved in the
+        """Begin at RL step ``step``, after the supervised warm-up (which needs only
+        :meth:`supervised_batch`); ``data_state`` is the :meth:`state_dict` saved in the
         checkpoint a resumed run starts from (None: a fresh run). Opens the log sinks (a resumed
         run drops the records from ``step`` on: they belong to the run that was interrupted)."""
 

@@ -51,10 +51,11 @@ def run(cfg: TrainConfig) -> list[dict]:
         resumed = resume_checkpoint(engine, cfg) if cfg.resume else None
         if resumed is not None:
             state.load_state_dict(resumed)
-        driver.start(state.step, None if resumed is None else state.data)
         warmup_stats = {}  # logged with the first RL step
         if state.step == 0 and cfg.sft_warmup_steps:
             warmup_stats = sft_warmup(engine, driver, cfg)
+        # After the warm-up: the progress bar and its time estimate count RL steps only.
+        driver.start(state.step, None if resumed is None else state.data)
         driver.sync_weights(engine.hf_weights(), version=state.step)
         for step in range(state.step, cfg.steps):
             started = time.perf_counter()

@@ -29,8 +29,11 @@ import yaml
 
 from megatron_gspo.config import ConfigError, to_dict
 from megatron_gspo.config_loader import load_config, overrides_from_env
+from megatron_gspo.console import configure_logging, describe_outputs, summarize
 from megatron_gspo.health import EXIT_CODE as STOPPED_EXIT_CODE
 from megatron_gspo.health import RunStopped
+
+logger = logging.getLogger("megatron_gspo.train")
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -87,11 +90,7 @@ def exit_with_agent(rank: int, poll_seconds: float = 1.0) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     rank = int(os.environ.get("RANK", "0"))
-    logging.basicConfig(
-        level=logging.INFO if rank == 0 else logging.WARNING,
-        format=f"[rank{rank}] %(asctime)s %(levelname)s %(name)s: %(message)s",
-        datefmt="%H:%M:%S",
-    )
+    configure_logging(rank)
     try:
         config = load_config(args.preset, overrides_from_env() + list(args.overrides))
     except ConfigError as error:
@@ -100,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.cfg:
         print(yaml.safe_dump(to_dict(config), sort_keys=False))
         return 0
-    logging.getLogger().setLevel(config.logging.log_level if rank == 0 else logging.WARNING)
+    configure_logging(rank, config.logging.log_level)
     if rank == 0:  # the driver owns the outputs, data, rewards and rollout servers
         from megatron_gspo.preflight import check_before_start, prepare_output_dir
 
@@ -110,13 +109,15 @@ def main(argv: list[str] | None = None) -> int:
             print(error, file=sys.stderr)
             return 2
         prepare_output_dir(config)
+        logger.info("%s", describe_outputs(config))
 
     from megatron_gspo.engine.optimizer_state import CheckpointError
     from megatron_gspo.loop import run
 
     exit_with_agent(rank)
+    started = time.monotonic()
     try:
-        run(config)
+        records = run(config)
     except ConfigError as error:
         # What only the runtime can check (world size vs layout, tokenizer vs vocab size, a
         # checkpoint's shapes) is still a configuration error: same message, same exit code.
@@ -135,6 +136,8 @@ def main(argv: list[str] | None = None) -> int:
         if rank == 0:
             print(f"\n{interrupted_message(config, args)}", file=sys.stderr)
         return 130  # 128 + SIGINT, the shell's code for an interrupted command
+    if rank == 0:
+        logger.info("%s", summarize(records, config, time.monotonic() - started))
     return 0
 
 

@@ -1,0 +1,107 @@
+"""What a run prints: log format and levels, where the outputs go, and a summary at the end.
+
+At ``logging.log_level=INFO`` the console shows our messages only. Megatron-Core logs its setup at
+INFO (58 lines of gradient-bucket listings for the CPU demo) and warns at import that Transformer
+Engine and apex are missing and that a CUDA-graph setting is deprecated: expected without a GPU,
+noise otherwise. Those go to the console only at ``DEBUG``. A :class:`ConfigWarning` is printed
+once, as a log line.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from pathlib import Path
+from typing import Any
+
+from megatron_gspo.config import ConfigWarning, TrainConfig
+
+logger = logging.getLogger("megatron_gspo")
+
+KERNEL_LIBRARY_NOTICES = (
+    r".*Transformer Engine and Apex are not installed",
+    r".*Apex is not installed",
+    r".*full scope is deprecated",
+)
+"""Warnings Megatron-Core issues on every import without a GPU stack (messages, as regexes)."""
+
+
+def configure_logging(rank: int, level: str = "INFO") -> None:
+    """Log format and levels for this process; may be called again once the level is known.
+
+    Rank 0 logs at ``level``, the other ranks warnings only. Below DEBUG, Megatron-Core's own
+    INFO messages and its kernel-library notices are not shown.
+    """
+    logging.basicConfig(
+        format=f"[rank{rank}] %(asctime)s %(levelname)s %(name)s: %(message)s",
+        datefmt="%H:%M:%S",
+    )
+    effective = level if rank == 0 else "WARNING"
+    logging.getLogger().setLevel(effective)
+    verbose = logging.getLogger().isEnabledFor(logging.DEBUG)
+    logging.getLogger("megatron").setLevel(logging.NOTSET if verbose else logging.WARNING)
+    for pattern in KERNEL_LIBRARY_NOTICES:
+        warnings.filterwarnings("default" if verbose else "ignore", message=pattern)
+    _show_config_warnings_as_log_lines(rank)
+
+
+def _show_config_warnings_as_log_lines(rank: int) -> None:
+    """:class:`ConfigWarning` as one log line (rank 0 only: every rank has the same config),
+    other warnings as Python prints them. Python's default filter already shows a warning once
+    per place, so a config validated twice (resolving ``model.hf_path`` builds it again) does not
+    repeat it."""
+    show = warnings.showwarning
+    if getattr(show, "shows_config_warnings", False):
+        return
+
+    def showwarning(message, category, filename, lineno, file=None, line=None):
+        if issubclass(category, ConfigWarning):
+            if rank == 0:
+                logging.getLogger("megatron_gspo.config").warning("%s", message)
+            return
+        show(message, category, filename, lineno, file, line)
+
+    showwarning.shows_config_warnings = True
+    warnings.showwarning = showwarning
+
+
+def describe_outputs(cfg: TrainConfig) -> str:
+    """Where this run writes, said before it starts."""
+    root = Path(cfg.output_dir)
+    sinks = [f"metrics {root / 'metrics.jsonl'}"]
+    if cfg.logging.tensorboard:
+        sinks.append(f"TensorBoard {root / 'tensorboard'}")
+    if cfg.checkpoint.interval:
+        sinks.append(
+            f"checkpoints {root / 'checkpoints'} (every {cfg.checkpoint.interval} steps, "
+            f"keeping {cfg.checkpoint.keep_last})"
+        )
+    else:
+        sinks.append("no checkpoints (checkpoint.interval=0)")
+    action = "resuming" if cfg.resume else "training"
+    return f"{action} {cfg.steps} steps; outputs: " + ", ".join(sinks)
+
+
+def summarize(records: list[dict[str, Any]], cfg: TrainConfig, seconds: float) -> str:
+    """The end of a run: steps, reward first and last, where the metrics and checkpoints are."""
+    root = Path(cfg.output_dir)
+    if not records:
+        return f"no RL step was run ({cfg.steps} steps configured); outputs in {root}"
+    first, last = records[0], records[-1]
+    lines = [
+        f"finished steps {first['step']}-{last['step']} of {cfg.steps} in {seconds:.0f} s; "
+        f"reward_mean {_number(first.get('reward_mean'))} (step {first['step']}) -> "
+        f"{_number(last.get('reward_mean'))} (step {last['step']})",
+        f"  metrics:     {root / 'metrics.jsonl'}"
+        + (f"  (TensorBoard: {root / 'tensorboard'})" if cfg.logging.tensorboard else ""),
+    ]
+    latest = root / "checkpoints" / "latest"
+    if latest.is_file():
+        lines.append(f"  checkpoints: {root / 'checkpoints' / latest.read_text().strip()} (latest)")
+    else:
+        lines.append("  checkpoints: none (checkpoint.interval=0)")
+    return "\n".join(lines)
+
+
+def _number(value: Any) -> str:
+    return f"{value:.4g}" if isinstance(value, (int, float)) else str(value)
