@@ -20,6 +20,7 @@ import abc
 import logging
 import os
 from collections.abc import Iterator
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Optional
 
@@ -101,20 +102,14 @@ class Driver(abc.ABC):
     def state_dict(self) -> dict:
         """What a checkpoint must hold to resume the data where it stopped."""
 
-    def close(self) -> None:  # noqa: B027 - nothing to release by default
-        """Release the rollout engine, reward workers and log sinks."""
 
-    def __enter__(self) -> Driver:
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.close()
-
-
-def build_driver(cfg: TrainConfig, *, rank: int) -> Driver:
-    """The driver of global rank ``rank``: the :class:`RolloutDriver` on rank 0."""
+def build_driver(cfg: TrainConfig, *, rank: int, resources: ExitStack) -> Driver:
+    """The driver of global rank ``rank``: the :class:`RolloutDriver` on rank 0. What it starts
+    (reward workers, the rollout engine and its servers, log sinks) is registered in
+    ``resources`` as soon as it exists, so the run's exit stack stops it on any exit, also when
+    a later piece fails to start."""
     if rank == 0:
-        return RolloutDriver(cfg)
+        return RolloutDriver(cfg, resources)
     return DriverFollower()
 
 
@@ -174,13 +169,14 @@ def build_rollout(cfg: TrainConfig) -> RolloutEngine:
 class RolloutDriver(Driver):
     """Global rank 0: the task, the rollout engine, the reward functions and the logs."""
 
-    def __init__(self, cfg: TrainConfig):
+    def __init__(self, cfg: TrainConfig, resources: ExitStack):
         from megatron_gspo.reward import RewardRunner
 
         self.cfg = cfg
+        self.resources = resources
         self.task = build_task(cfg)
-        self.rewards: RewardRunner = RewardRunner(cfg.reward)
-        self.rollout_engine: RolloutEngine = build_rollout(cfg)
+        self.rewards: RewardRunner = resources.enter_context(RewardRunner(cfg.reward))
+        self.rollout_engine: RolloutEngine = resources.enter_context(build_rollout(cfg))
         self.producer: SampleProducer = SingleTurnProducer(
             self.rollout_engine, self.task, self.rewards, cfg
         )
@@ -197,6 +193,7 @@ class RolloutDriver(Driver):
             start_step=step,
             run_config=to_dict(self.cfg),
         )
+        self.resources.callback(self.logger.close)
 
     def rollout(self, step: int) -> RolloutBatch:
         produced = collect_step_batch(self.producer, self.task.stream, step, self.cfg)
@@ -236,12 +233,6 @@ class RolloutDriver(Driver):
 
     def state_dict(self) -> dict:
         return self.task.stream.state_dict()
-
-    def close(self) -> None:
-        if self.logger is not None:
-            self.logger.close()
-        self.rollout_engine.close()
-        self.rewards.close()
 
 
 # ----------------------------------------------------------------------------------------------

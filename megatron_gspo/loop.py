@@ -12,6 +12,7 @@ broadcasts them, so that every rank holds the whole rollout batch.
 from __future__ import annotations
 
 import time
+from contextlib import ExitStack
 
 import torch
 
@@ -44,8 +45,12 @@ def run(cfg: TrainConfig) -> list[dict]:
         # flushing them to zero only changes values below 1.2e-38.
         torch.set_flush_denormal(True)
     cfg = resolve_model(cfg)
-    engine = TrainEngine(cfg, load_weights=initial_weights_loader(cfg))
-    with build_driver(cfg, rank=engine.parallel.rank) as driver:
+    # One exit stack: what the run starts (reward workers, the rollout engine and its servers,
+    # log sinks, the checkpoint writer's queue process) is registered as it starts and stopped on
+    # any exit, newest first: the last step, an exception, Ctrl-C, a guard's stop.
+    with ExitStack() as resources:
+        engine = resources.enter_context(TrainEngine(cfg, load_weights=initial_weights_loader(cfg)))
+        driver = build_driver(cfg, rank=engine.parallel.rank, resources=resources)
         advantage_settings = cfg.algo.advantage_settings()
         state = RunState()
         resumed = resume_checkpoint(engine, cfg) if cfg.resume else None

@@ -456,6 +456,10 @@ def _check_model(engine: Any, saved: dict) -> None:
 # ---------------------------------------------------------------------------------------------
 
 
+_writer_manager = None
+"""The ``multiprocessing`` manager behind Megatron's writer result queue, once started."""
+
+
 def _start_writer_result_queue() -> None:
     """Start the process behind Megatron's checkpoint-writer result queue ourselves, so that it
     dies with the trainer.
@@ -469,16 +473,29 @@ def _start_writer_result_queue() -> None:
     (:func:`megatron_gspo.lifetime.die_with_parent`). A version without that global is left
     alone (tests/e2e/test_cleanup.py fails if its writer outlives the trainer).
     """
+    global _writer_manager
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
     if getattr(filesystem_async, "_results_queue", "absent") is not None:
         return  # already started, or this version has no such global
     from multiprocessing.managers import SyncManager
 
-    manager = SyncManager(ctx=multiprocessing.get_context("spawn"))
-    manager.start(initializer=die_with_parent, initargs=(os.getpid(),))
-    # The queue's proxy keeps the manager object (and so the process) alive for the run.
-    filesystem_async._results_queue = manager.Queue()
+    _writer_manager = SyncManager(ctx=multiprocessing.get_context("spawn"))
+    _writer_manager.start(initializer=die_with_parent, initargs=(os.getpid(),))
+    filesystem_async._results_queue = _writer_manager.Queue()
+
+
+def stop_writer_result_queue() -> None:
+    """Stop the process behind the writer's result queue, if :func:`_start_writer_result_queue`
+    started it (a run that ends while its process goes on; the next save starts a new one)."""
+    global _writer_manager
+    if _writer_manager is None:
+        return
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    filesystem_async._results_queue = None
+    _writer_manager.shutdown()
+    _writer_manager = None
 
 
 # ---------------------------------------------------------------------------------------------

@@ -161,6 +161,20 @@ class TrainEngine:
         self.skipped_steps = 0
         self.step_count = 0
 
+    def close(self) -> None:
+        """Stop the process the first checkpoint save started (Megatron's writer result queue),
+        so that a run that ends while its process goes on leaves no child behind. The models and
+        process groups stay usable."""
+        from megatron_gspo.engine.checkpoint import stop_writer_result_queue
+
+        stop_writer_result_queue()
+
+    def __enter__(self) -> TrainEngine:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
     # -----------------------------------------------------------------------------------------
 
     @property

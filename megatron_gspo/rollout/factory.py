@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+from contextlib import ExitStack
 from typing import Optional
 
 from megatron_gspo.config import ConfigError, ModelConfig, RolloutConfig
@@ -80,6 +81,9 @@ def build_rollout_engine(
     urls = list(rollout.sglang_urls)
     on_close = []
     api_key = api_key_from_environment()
+    # Servers launched below are stopped if anything after them fails; the engine owns them once
+    # it exists (the ExitStack lets go of them then).
+    started = ExitStack()
     if not urls:
         if not rollout.sglang_launch:
             raise ConfigError(
@@ -107,19 +111,24 @@ def build_rollout_engine(
         )
         urls = [server.url for server in servers]
         on_close = [server.stop for server in servers]
-    transport = transport_from_config(
-        rollout,
-        model,
-        num_engines=len(urls),
-        disk_dir=os.path.join(work_dir, "weights"),
-        master_address=master_address,
-        master_port=master_port,
-    )
-    return SGLangEngine(
-        urls,
-        layout,
-        weight_transport=transport,
-        on_close=on_close,
-        api_key=api_key,
-        **client_options,
-    )
+        for stop in on_close:
+            started.callback(stop)
+    with started:
+        transport = transport_from_config(
+            rollout,
+            model,
+            num_engines=len(urls),
+            disk_dir=os.path.join(work_dir, "weights"),
+            master_address=master_address,
+            master_port=master_port,
+        )
+        engine = SGLangEngine(
+            urls,
+            layout,
+            weight_transport=transport,
+            on_close=on_close,
+            api_key=api_key,
+            **client_options,
+        )
+        started.pop_all()
+    return engine

@@ -28,6 +28,7 @@ import threading
 import time
 from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import ExitStack
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -392,13 +393,16 @@ class SGLangEngine(RolloutEngine):
         }
 
     def close(self) -> None:
-        if self._executor is not None:
-            self._executor.shutdown(wait=True, cancel_futures=True)
-            self._executor = None
-        if self.weight_transport is not None:
-            self.weight_transport.close()
-        while self._on_close:
-            self._on_close.pop()()
+        """Stop the request threads, the weight transport and what ``on_close`` names (launched
+        servers), newest first; each runs even when an earlier one fails."""
+        with ExitStack() as stack:
+            while self._on_close:
+                stack.callback(self._on_close.pop(0))
+            if self.weight_transport is not None:
+                stack.callback(self.weight_transport.close)
+            if self._executor is not None:
+                stack.callback(self._executor.shutdown, wait=True, cancel_futures=True)
+                self._executor = None
 
     # ------------------------------------------------------------------ weights
 
