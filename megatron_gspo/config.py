@@ -652,6 +652,10 @@ class OptimConfig:
     max_consecutive_skips: int = 3
     """A step whose loss or grad norm is not finite is skipped (weights and optimizer state
     untouched); this many skips in a row stop the run."""
+    max_collapsed_steps: int = 3
+    """RL steps in a row whose every optimizer step had a gradient norm of exactly 0 while the
+    advantages were not 0 (a collapsed policy: saturated or dead activations, e.g. after a far too
+    large lr) that stop the run; 0 never stops (megatron_gspo.health.CollapseGuard)."""
 
     def __post_init__(self) -> None:
         _check_positive("optim.lr", self.lr)
@@ -659,6 +663,7 @@ class OptimConfig:
         _check_positive("optim.clip_grad", self.clip_grad, allow_zero=True)
         _check_positive("optim.lr_warmup_steps", self.lr_warmup_steps, allow_zero=True)
         _check_positive("optim.max_consecutive_skips", self.max_consecutive_skips)
+        _check_positive("optim.max_collapsed_steps", self.max_collapsed_steps, allow_zero=True)
         _check_choice(
             "optim.lr_decay_style",
             self.lr_decay_style,

@@ -18,6 +18,7 @@ import torch
 
 from megatron_gspo.config import TrainConfig
 from megatron_gspo.driver import build_driver
+from megatron_gspo.health import CollapseGuard
 from megatron_gspo.metrics import headline_metrics, log_prob_gap_metrics
 from megatron_gspo.policy_stages import (
     assign_advantages,
@@ -52,6 +53,9 @@ def run(cfg: TrainConfig) -> list[dict]:
         engine = resources.enter_context(TrainEngine(cfg, load_weights=initial_weights_loader(cfg)))
         driver = build_driver(cfg, rank=engine.parallel.rank, resources=resources)
         advantage_settings = cfg.algo.advantage_settings()
+        collapse = CollapseGuard(
+            cfg.optim.max_collapsed_steps, vocab_size=cfg.model.vocab_size, lr=cfg.optim.lr
+        )
         state = RunState()
         resumed = resume_checkpoint(engine, cfg) if cfg.resume else None
         if resumed is not None:
@@ -92,6 +96,7 @@ def run(cfg: TrainConfig) -> list[dict]:
                 "step_time_s": time.perf_counter() - started,
             }
             metrics.update(headline_metrics(metrics, cfg.algo))
+            collapse.check(metrics)  # stops a policy that no longer responds to the loss
             if cfg.eval.interval and (step + 1) % cfg.eval.interval == 0:
                 metrics.update(driver.evaluate())
             if cfg.checkpoint.interval and (
