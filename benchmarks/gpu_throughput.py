@@ -7,7 +7,7 @@ state. It runs GSPO policy updates (``TrainEngine.train_step``) in bf16 with Tra
 packed random samples and prints training tokens/s and model FLOPs utilisation (FLOPs counted as in
 ``benchmarks/gpu_smoke.py``: ``6 * N_active`` per token plus causal attention), with the layout
 and flags used. Weight sync: the time to gather and stream the model in Hugging Face names
-(``engine.hf_weights.iter_hf_weights``), and, with ``--sglang-url`` (a server started with
+(``engine.hf_import_export.iter_hf_weights``), and, with ``--sglang-url`` (a server started with
 ``examples/moe/sglang_server.sh`` on an export of this model, ``--export-hf``), the full update
 through the SGLang client.
 
@@ -132,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     from megatron_gspo.engine import TrainEngine
     from megatron_gspo.engine.compat import has_transformer_engine
-    from megatron_gspo.engine.hf_weights import export_hf_checkpoint, iter_hf_weights
+    from megatron_gspo.engine.hf_import_export import export_hf_checkpoint, iter_hf_weights
 
     cfg = build_config(args)
     engine = TrainEngine(cfg)

@@ -413,7 +413,7 @@ def run_ours(job: dict[str, Any], work_dir: str) -> dict[str, Any]:
 
     import megatron_gspo.convert.hf_config  # noqa: F401
     import megatron_gspo.data  # noqa: F401
-    import megatron_gspo.engine.hf_weights  # noqa: F401
+    import megatron_gspo.engine.hf_import_export  # noqa: F401
     import megatron_gspo.reward  # noqa: F401
     import megatron_gspo.rollout.embedded  # noqa: F401
     import megatron_gspo.rollout.factory  # noqa: F401

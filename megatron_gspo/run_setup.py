@@ -65,7 +65,7 @@ def initial_weights_loader(cfg: TrainConfig) -> Optional[Callable[[list[PolicyMo
 
         return lambda chunks: load_weights_only(chunks, cfg.checkpoint.load_path)
     if cfg.model.hf_path is not None:
-        from megatron_gspo.engine.hf_weights import load_hf_weights
+        from megatron_gspo.engine.hf_import_export import load_hf_weights
 
         return lambda chunks: load_hf_weights(chunks, cfg.model.hf_path, cfg)
     return None

@@ -195,7 +195,7 @@ def hf_to_megatron(args: argparse.Namespace) -> int:
     parallel = ParallelConfig(tp=args.tp, pp=args.pp, ep=args.ep, etp=args.etp)
     cfg = TrainConfig(model=model, parallel=parallel)
 
-    from megatron_gspo.engine.hf_weights import save_hf_weights_as_torch_dist
+    from megatron_gspo.engine.hf_import_export import save_hf_weights_as_torch_dist
     from megatron_gspo.engine.parallel import destroy_parallel
 
     # Written under a temporary name and renamed by rank 0 once every rank has finished.

@@ -13,7 +13,7 @@ Modules:
 * :mod:`~megatron_gspo.convert.export`: the offline ``megatron-to-hf`` conversion.
 
 The sharded side (loading HF weights into a parallel model, streaming it back) lives in
-:mod:`megatron_gspo.engine.hf_weights`, the only place that touches Megatron objects.
+:mod:`megatron_gspo.engine.hf_import_export`, the only place that touches Megatron objects.
 """
 
 from megatron_gspo.convert.hf_config import (

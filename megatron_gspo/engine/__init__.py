@@ -15,8 +15,8 @@ seed init), ``attention`` (CPU THD / context-parallel core attention), ``packing
 data- and context-parallel splits), ``batches`` (TrainSample -> micro-batches), ``train_step``
 (TrainEngine), ``optimizer`` (AdamW, clipping, lr schedule), ``logprobs`` (vocab-parallel
 log-probs), ``checkpoint`` + ``optimizer_state`` (distributed checkpoints), ``routing_replay``
-(R2/R3 on Megatron's RouterReplay, routing-change metrics), ``hf_weights`` (Hugging Face weights
-in and out).
+(R2/R3 on Megatron's RouterReplay, routing-change metrics), ``hf_import_export`` (Hugging Face
+weights in and out).
 """
 
 from __future__ import annotations

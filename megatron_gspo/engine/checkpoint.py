@@ -340,7 +340,7 @@ def _unwrap(chunk: torch.nn.Module) -> torch.nn.Module:
 
 def _model_sharded_state(chunks: Sequence[torch.nn.Module]) -> dict[str, dict]:
     """``{"model": ...}`` (``model0``, ``model1``, ... with virtual pipeline stages), the keys of
-    Megatron-LM and of :func:`~megatron_gspo.engine.hf_weights.save_torch_dist_weights`."""
+    Megatron-LM and of :func:`~megatron_gspo.engine.hf_import_export.save_torch_dist_weights`."""
     if len(chunks) == 1:
         return {"model": _unwrap(chunks[0]).sharded_state_dict()}
     return {f"model{i}": _unwrap(chunk).sharded_state_dict() for i, chunk in enumerate(chunks)}

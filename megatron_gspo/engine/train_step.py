@@ -183,9 +183,9 @@ class TrainEngine:
 
     def hf_weights(self) -> StableTensorStream:
         """The policy's weights as full tensors under Hugging Face names, for the rollout
-        engine (:func:`~megatron_gspo.engine.hf_weights.iter_hf_weights`: on global rank 0).
+        engine (:func:`~megatron_gspo.engine.hf_import_export.iter_hf_weights`: on global rank 0).
         Collective: every rank must drain the stream (gathering shards)."""
-        from megatron_gspo.engine.hf_weights import iter_hf_weights
+        from megatron_gspo.engine.hf_import_export import iter_hf_weights
 
         return iter_hf_weights(self.policy_chunks, self.cfg)
 

@@ -43,7 +43,6 @@ import torch
 
 from megatron_gspo.config import ModelConfig, RolloutConfig
 from megatron_gspo.rollout.hf_model import RouteRecorder, build_hf_model, moe_layer_indices
-from megatron_gspo.rollout.hf_weights import HFWeightLayout, iter_safetensors_directory
 from megatron_gspo.rollout.sampling import UniformStreams, sample_tokens, temperature_log_probs
 from megatron_gspo.rollout.types import (
     PAUSE_MODES,
@@ -55,6 +54,7 @@ from megatron_gspo.rollout.types import (
     SyncStats,
     expand_samples,
 )
+from megatron_gspo.rollout.weight_loader import HFWeightLayout, iter_safetensors_directory
 from megatron_gspo.routes import route_numpy_dtype
 
 logger = logging.getLogger(__name__)
@@ -251,7 +251,7 @@ class EmbeddedEngine(RolloutEngine):
     # ------------------------------------------------------------------ weights
 
     def sync_weights(self, named_tensors: Iterator[tuple[str, Any]], version: int) -> SyncStats:
-        """Load a full set of on-disk-named HF tensors by value (see ``hf_weights.py``).
+        """Load a full set of on-disk-named HF tensors by value (see ``weight_loader.py``).
 
         The stream is staged and checked before any parameter changes, so a failed sync leaves
         the weights and the version as they were. ``version`` must not go backwards.

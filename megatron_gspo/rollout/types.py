@@ -252,7 +252,7 @@ class StableTensorStream(Iterator[tuple[str, Any]]):
     """``(name, tensor)`` pairs whose tensors stay valid and unchanged until the consumer that
     drains the stream has returned: fresh tensors nobody else writes, or views of a model that
     nothing updates meanwhile (the trainer's weight stream during a sync,
-    ``engine.hf_weights.iter_hf_weights``). A loader may therefore stage them by reference
+    ``engine.hf_import_export.iter_hf_weights``). A loader may therefore stage them by reference
     (``HFWeightLayout.stage(..., borrow=True)``) instead of copying them."""
 
     def __init__(self, pairs: Iterable[tuple[str, Any]]):

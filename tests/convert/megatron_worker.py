@@ -92,7 +92,7 @@ def main() -> None:
     from megatron_gspo.config import ModelConfig, ParallelConfig, TrainConfig
     from megatron_gspo.convert.hf_config import resolve_model_config
     from megatron_gspo.engine.checkpoint import save_checkpoint
-    from megatron_gspo.engine.hf_weights import (
+    from megatron_gspo.engine.hf_import_export import (
         export_hf_checkpoint,
         iter_full_megatron_weights,
         iter_hf_weights,

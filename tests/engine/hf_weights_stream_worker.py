@@ -22,12 +22,12 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from layout_worker import make_config, make_samples  # noqa: E402
 
-from megatron_gspo.engine.hf_weights import iter_full_megatron_weights, iter_hf_weights  # noqa: E402
+from megatron_gspo.engine.hf_import_export import iter_full_megatron_weights, iter_hf_weights  # noqa: E402
 from megatron_gspo.engine.parallel import destroy_parallel  # noqa: E402
 from megatron_gspo.engine.train_step import TrainEngine  # noqa: E402
 from megatron_gspo.rollout.embedded import EmbeddedEngine  # noqa: E402
-from megatron_gspo.rollout.hf_weights import HFWeightLayout  # noqa: E402
 from megatron_gspo.rollout.types import StableTensorStream  # noqa: E402
+from megatron_gspo.rollout.weight_loader import HFWeightLayout  # noqa: E402
 
 
 def storages(tensors) -> set[int]:

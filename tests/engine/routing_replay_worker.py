@@ -250,7 +250,7 @@ def check_r3_log_probs_match_the_embedded_engine() -> None:
     """Embedded engine with the trainer's weights (iter_hf_weights): under R3 the trainer's
     recomputed log-probs equal the engine's to fp32 tolerance, and the trainer's native routes
     agree with the rollout's."""
-    from megatron_gspo.engine.hf_weights import iter_hf_weights
+    from megatron_gspo.engine.hf_import_export import iter_hf_weights
     from megatron_gspo.rollout.embedded import EmbeddedEngine
     from megatron_gspo.rollout.types import GenerateRequest
 

@@ -11,7 +11,6 @@ import transformers
 
 from megatron_gspo.config import RolloutConfig
 from megatron_gspo.rollout.embedded import EmbeddedEngine
-from megatron_gspo.rollout.hf_weights import iter_safetensors_directory
 from megatron_gspo.rollout.sglang_weights import (
     DiskTransport,
     DistributedTransport,
@@ -24,6 +23,7 @@ from megatron_gspo.rollout.sglang_weights import (
     write_hf_checkpoint,
 )
 from megatron_gspo.rollout.types import RolloutEngineError
+from megatron_gspo.rollout.weight_loader import iter_safetensors_directory
 from tests.rollout.conftest import tiny_model_config
 
 
