@@ -17,6 +17,29 @@ import torch
 KL_CLAMP = 20.0
 
 
+AGG_MODES = (
+    "token-mean",
+    "seq-mean-token-sum",
+    "seq-mean-token-mean",
+    "seq-mean-token-sum-norm",
+    "dr-grpo",
+)
+"""The aggregation modes the references implement (the loss tests run each)."""
+
+
+def _weight_of(agg: str, length: float, num_sequences: float, num_tokens: float, norm: float):
+    """Weight of one token of a sequence of ``length`` tokens under ``agg``: ``1/N_tok``,
+    ``1/N_seq``, ``1/(n_i N_seq)``, ``1/T_norm`` (ROLL's and verl's sum-norm) or
+    ``1/(N_seq T_norm)`` (TRL's dr_grpo)."""
+    return {
+        "token-mean": 1.0 / num_tokens,
+        "seq-mean-token-sum": 1.0 / num_sequences,
+        "seq-mean-token-mean": 1.0 / (length * num_sequences),
+        "seq-mean-token-sum-norm": 1.0 / norm,
+        "dr-grpo": 1.0 / (num_sequences * norm),
+    }[agg]
+
+
 def kl_reference(
     log_probs: torch.Tensor,
     ref_log_probs: torch.Tensor,
@@ -121,13 +144,7 @@ def reference_policy_loss(
             ratio = torch.exp((lp - old).clamp(-log_ratio_clamp, log_ratio_clamp))
         else:
             raise ValueError(importance_sampling)
-        weight = {
-            "token-mean": 1.0 / num_tokens,
-            "seq-mean-token-sum": 1.0 / num_sequences,
-            "seq-mean-token-mean": 1.0 / (lengths[i] * num_sequences),
-            "seq-mean-token-sum-norm": 1.0 / norm_length,
-            "dr-grpo": 1.0 / (num_sequences * norm_length),
-        }[loss_agg_mode]
+        weight = _weight_of(loss_agg_mode, lengths[i], num_sequences, num_tokens, norm_length)
         pg = token_objective(ratio, adv, clip_low, clip_high, dual_clip_constant)
         if pg_weights is not None:
             pg = pg * pg_weights[i, index]
@@ -185,16 +202,6 @@ def reference_correction_weights(
             else:
                 out[i, t] = x if low <= x <= high else 0.0
     return out
-
-
-def _weight_of(agg: str, length: float, num_sequences: float, num_tokens: float, norm: float):
-    return {
-        "token-mean": 1.0 / num_tokens,
-        "seq-mean-token-sum": 1.0 / num_sequences,
-        "seq-mean-token-mean": 1.0 / (length * num_sequences),
-        "seq-mean-token-sum-norm": 1.0 / norm,
-        "dr-grpo": 1.0 / (num_sequences * norm),
-    }[agg]
 
 
 def reference_cispo_loss(

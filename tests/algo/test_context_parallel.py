@@ -19,17 +19,11 @@ import torch.multiprocessing as mp
 from megatron_gspo.algo import PolicyLossSettings, RolloutCorrection, policy_loss
 
 from .batches import WIDTH, make_batch
+from .reference import AGG_MODES
 from .test_corrections import behaviour_of
 
 RANK_COLUMNS = ([0, 1, 6], [2, 3, 4, 5])
 POSITIONS = {1: [0, 6], 3: [4]}
-AGG_MODES = (
-    "token-mean",
-    "seq-mean-token-sum",
-    "seq-mean-token-mean",
-    "seq-mean-token-sum-norm",
-    "dr-grpo",
-)
 # Extra settings: rollout corrections (the sequence level needs the all-reduced geometric mean)
 # and the CISPO / GMPO surrogates (GMPO's sequence term is all-reduced like GSPO's).
 VARIANTS = {

@@ -19,15 +19,8 @@ from megatron_gspo.algo import (
 )
 
 from .batches import WIDTH, make_batch
-from .reference import reference_correction_weights, reference_policy_loss
+from .reference import AGG_MODES, reference_correction_weights, reference_policy_loss
 
-AGG_MODES = (
-    "token-mean",
-    "seq-mean-token-sum",
-    "seq-mean-token-mean",
-    "seq-mean-token-sum-norm",
-    "dr-grpo",
-)
 TIGHT = {"rtol": 1e-10, "atol": 1e-12}
 # (level, mode, low, high): the defaults of config.py (TIS C = 2, IcePop [0.5, 5]) and bounds that
 # make the sequence level bind on the test batch (its geometric means spread by ~0.3).

@@ -10,16 +10,10 @@ import torch
 from megatron_gspo.algo import PolicyLossSettings, policy_loss
 
 from .batches import make_batch
+from .reference import AGG_MODES
 
 GARBAGE = {"nan": math.nan, "+inf": math.inf, "-inf": -math.inf, "+1e30": 1e30, "-1e30": -1e30}
 TENSORS = ("log_probs", "old_log_probs", "advantages", "ref_log_probs", "entropy")
-AGG_MODES = (
-    "token-mean",
-    "seq-mean-token-sum",
-    "seq-mean-token-mean",
-    "seq-mean-token-sum-norm",
-    "dr-grpo",
-)
 
 
 def run(batch, values, importance_sampling, agg):

@@ -8,14 +8,8 @@ import torch
 from megatron_gspo.algo import PolicyLossSettings, policy_loss
 
 from .batches import WIDTH, make_batch
+from .reference import AGG_MODES
 
-AGG_MODES = (
-    "token-mean",
-    "seq-mean-token-sum",
-    "seq-mean-token-mean",
-    "seq-mean-token-sum-norm",
-    "dr-grpo",
-)
 # Row counts of the micro-batches of a 12-row batch, uneven on purpose; row 7 has no response token.
 SPLITS = ([12], [5, 7], [3, 1, 4, 4], [1] * 12)
 

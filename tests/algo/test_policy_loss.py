@@ -8,16 +8,9 @@ import torch
 from megatron_gspo.algo import PolicyLossSettings, aggregate, policy_loss
 
 from .batches import make_batch
-from .reference import kl_reference, reference_policy_loss
+from .reference import AGG_MODES, kl_reference, reference_policy_loss
 
 IMPORTANCE_SAMPLING = ("seq", "seq_token", "token")
-AGG_MODES = (
-    "token-mean",
-    "seq-mean-token-sum",
-    "seq-mean-token-mean",
-    "seq-mean-token-sum-norm",
-    "dr-grpo",
-)
 KL_COEF, ENTROPY_COEF = 0.3, 0.05
 TIGHT = {"rtol": 1e-10, "atol": 1e-12}
 
@@ -187,26 +180,21 @@ def test_aggregate_by_hand(agg):
     assert float(result) == pytest.approx(expected, rel=1e-15)
 
 
-def test_unknown_modes_raise():
+@pytest.mark.parametrize(
+    "wrong,fragment",
+    [
+        ({"importance_sampling": "sequence"}, "importance_sampling"),
+        ({"loss_agg_mode": "token_mean"}, "loss_agg_mode"),
+        ({"kl_estimator": "k4"}, "KL estimator"),
+    ],
+)
+def test_unknown_modes_raise(wrong, fragment):
     batch = make_batch()
-    with pytest.raises(ValueError, match="importance_sampling"):
+    with pytest.raises(ValueError, match=fragment):
+        settings = dict(
+            importance_sampling="seq", clip_low=0.2, clip_high=0.2, loss_agg_mode="token-mean"
+        )
         policy_loss(
             batch.log_probs, batch.old_log_probs, batch.advantages, batch.mask,
-            PolicyLossSettings(
-                importance_sampling="sequence", clip_low=0.2, clip_high=0.2,
-                loss_agg_mode="token-mean",
-            ),
-        )  # fmt: skip
-    with pytest.raises(ValueError, match="loss_agg_mode"):
-        policy_loss(
-            batch.log_probs, batch.old_log_probs, batch.advantages, batch.mask,
-            PolicyLossSettings(
-                importance_sampling="seq", clip_low=0.2, clip_high=0.2,
-                loss_agg_mode="token_mean",
-            ),
-        )  # fmt: skip
-    with pytest.raises(ValueError, match="KL estimator"):
-        PolicyLossSettings(
-            importance_sampling="seq", clip_low=0.2, clip_high=0.2, loss_agg_mode="token-mean",
-            kl_estimator="k4",
+            PolicyLossSettings(**{**settings, **wrong}),
         )  # fmt: skip

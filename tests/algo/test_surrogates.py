@@ -12,19 +12,13 @@ from megatron_gspo.algo import PolicyLossSettings, RolloutCorrection, policy_los
 
 from .batches import make_batch
 from .reference import (
+    AGG_MODES,
     reference_cispo_loss,
     reference_correction_weights,
     reference_gmpo_loss,
 )
 from .test_corrections import behaviour_of
 
-AGG_MODES = (
-    "token-mean",
-    "seq-mean-token-sum",
-    "seq-mean-token-mean",
-    "seq-mean-token-sum-norm",
-    "dr-grpo",
-)
 TIGHT = {"rtol": 1e-10, "atol": 1e-12}
 # With the batch's spread of token log ratios (|d| up to ~1), w_high = 1.5 and eps = 0.3 bind
 # for some tokens and not for others; CISPO's defaults are (0, 5) (config.py).
