@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Optional
 
 if TYPE_CHECKING:
-    from megatron_gspo.algo import AdvantageSettings, PolicyLossSettings
+    from megatron_gspo.algo import AdvantageSettings, PolicyLossSettings, RolloutCorrection
 
 logger = logging.getLogger(__name__)
 
@@ -307,6 +307,97 @@ OLD_LOG_PROB_SOURCES = ("recompute", "rollout", "detach")
 ROUTING_REPLAY_MODES = ("none", "r2", "r3")
 
 
+SURROGATES = ("clip", "cispo", "gmpo")
+CORRECTION_LEVELS = ("none", "token", "sequence")
+CORRECTION_MODES = ("truncate", "mask")
+CORRECTION_BOUNDS = {
+    # (level, mode): (low, high) used when algo.rollout_correction.low / high are null.
+    ("token", "truncate"): (None, 2.0),
+    # TIS: C = 2, Yao et al. 2025 ("Your Efficient RL Framework Secretly Brings You Off-Policy
+    # RL Training"), slime --tis-clip 2.0, verl rollout_is_threshold 2.0.
+    ("token", "mask"): (0.5, 5.0),
+    # IcePop's [alpha, beta] = [0.5, 5] (Ling team 2025; verl's IcePop example "0.5_5.0").
+    ("sequence", "truncate"): (None, 2.0),
+    # slime mis.py (level geometric, mode truncate) keeps the token cap, C = 2.
+    ("sequence", "mask"): (0.999, 1.001),
+    # verl's geometric rejection (Geo-RS) default "0.999_1.001"; NeMo-RL's seq-mask-tis examples
+    # use [0.999, 1.002]. A geometric mean per token stays close to 1, hence the tight band.
+}
+
+
+@dataclass
+class RolloutCorrectionConfig:
+    """Importance-sampling correction between the trainer's old policy and the rollout engine's
+    behaviour policy (the engine's per-token log-probs): what fixes the training-inference
+    mismatch of a bf16 engine (``rollout.dtype``) or of SGLang. Formulas and sources:
+    docs/algorithms.md, "Rollout corrections"; the implementation is
+    :mod:`megatron_gspo.algo.corrections`."""
+
+    level: str = "none"
+    """none (off), token (one weight per token: TIS / MIS) or sequence (the geometric mean
+    ``exp(mean_t log(pi_old / mu))``, one weight per sequence -- never the product)."""
+    mode: str = "truncate"
+    """truncate: the weight is ``min(ratio, high)`` (TIS); mask: tokens (or whole sequences) whose
+    ratio lies outside ``[low, high]`` get weight 0 and keep their place in the loss denominators
+    (MIS; IcePop's two-sided mask)."""
+    low: Optional[float] = None
+    """Lower bound of mask (must stay null for truncate, which caps from above only); null: 0.5
+    for token (IcePop), 0.999 for sequence (verl Geo-RS)."""
+    high: Optional[float] = None
+    """The cap of truncate, the upper bound of mask; null: 2 for truncate (TIS, Yao et al. 2025;
+    slime, verl), 5 for token mask (IcePop), 1.001 for sequence mask (verl Geo-RS)."""
+
+    def __post_init__(self) -> None:
+        key = "algo.rollout_correction"
+        _check_choice(f"{key}.level", self.level, CORRECTION_LEVELS, "none, token or sequence")
+        _check_choice(f"{key}.mode", self.mode, CORRECTION_MODES, "truncate or mask")
+        if self.level == "none":
+            return
+        low, high = self.bounds
+        if self.mode == "truncate":
+            if self.low is not None:
+                raise ConfigError(
+                    f"{key}.low",
+                    f"low={self.low} with mode=truncate",
+                    "truncation caps the weight from above only (TIS: min(ratio, high))",
+                    f"remove {key}.low, or use mode=mask to drop tokens below it",
+                )
+            if not high >= 1:
+                raise ConfigError(
+                    f"{key}.high",
+                    f"high={high} < 1 with mode=truncate",
+                    "a cap below 1 shrinks every on-policy token's weight",
+                    "set high >= 1 (TIS uses 2)",
+                )
+        elif not 0 <= low < 1 < high:
+            raise ConfigError(
+                f"{key}.low/high",
+                f"[low, high] = [{low}, {high}] does not contain 1 strictly inside",
+                "a token whose engine and trainer agree (ratio 1) must be kept",
+                "set 0 <= low < 1 < high (IcePop uses [0.5, 5], verl's Geo-RS [0.999, 1.001])",
+            )
+
+    @property
+    def enabled(self) -> bool:
+        return self.level != "none"
+
+    @property
+    def bounds(self) -> tuple[Optional[float], float]:
+        """``(low, high)`` with the defaults of :data:`CORRECTION_BOUNDS` filled in."""
+        default_low, default_high = CORRECTION_BOUNDS[(self.level, self.mode)]
+        low = self.low if self.low is not None else default_low
+        return low, (self.high if self.high is not None else default_high)
+
+    def correction(self) -> Optional[RolloutCorrection]:
+        """The algorithm core's :class:`~megatron_gspo.algo.RolloutCorrection`, or None (off)."""
+        if not self.enabled:
+            return None
+        from megatron_gspo.algo import RolloutCorrection
+
+        low, high = self.bounds
+        return RolloutCorrection(level=self.level, mode=self.mode, low=low, high=high)
+
+
 @dataclass
 class AlgoConfig:
     """GSPO / GRPO settings. Key names and meanings follow ROLL's documentation (docs of
@@ -425,6 +516,25 @@ class AlgoConfig:
     """Most generation rounds per step with dynamic_sampling (verl's
     ``filter_groups.max_num_gen_batches``: 10); a batch still short after them is filled with
     dropped groups (counted in ``dynamic_sampling/filled_groups``, warned)."""
+    surrogate: str = "clip"
+    """The per-token objective: clip (PPO's clipped ratio, with importance_sampling's ratio: GSPO,
+    GSPO-token, GRPO), cispo (CISPO, MiniMax-M1 arXiv 2506.13585: the clipped token ratio as a
+    detached weight on the log-likelihood gradient, so no token's gradient is dropped) or gmpo
+    (GMPO, arXiv 2507.20673: the geometric mean of the token ratios, clipped in log space). cispo
+    and gmpo use token ratios (importance_sampling=token); gmpo needs sequence advantages and
+    seq-mean-token-mean. Formulas: docs/algorithms.md."""
+    cispo_weight_low: float = 0.0
+    """CISPO's weight is clip(r, cispo_weight_low, cispo_weight_high); 0 is MiniMax-M1's choice
+    of no lower bound (they tune the upper one only, section 3.1)."""
+    cispo_weight_high: float = 5.0
+    """Upper bound of CISPO's weight: ScaleRL's eps_max (arXiv 2510.13786), the value TRL
+    recommends for its loss_type=cispo."""
+    gmpo_log_clip: float = 0.4
+    """GMPO clips token log ratios at +-gmpo_log_clip (on the side that binds for the advantage's
+    sign): the paper's range (e^-0.4, e^0.4), its scripts' CLIPRANGE=0.4."""
+    rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
+    """Importance weights between the old policy and the rollout engine's log-probs
+    (level none|token|sequence, mode truncate|mask, low, high)."""
 
     def __post_init__(self) -> None:
         _check_choice(
@@ -553,7 +663,76 @@ class AlgoConfig:
                 "dropped",
                 "set algo.num_return_sequences_in_group >= 2 or algo.dynamic_sampling=false",
             )
+        self._check_surrogate_and_correction()
         self._warn_gspo_settings()
+
+    def _check_surrogate_and_correction(self) -> None:
+        _check_choice(
+            "algo.surrogate", self.surrogate, SURROGATES, "clip (PPO / GRPO / GSPO), cispo or gmpo"
+        )
+        if self.surrogate != "clip":
+            if self.importance_sampling != "token":
+                raise ConfigError(
+                    "algo.importance_sampling",
+                    f"importance_sampling={self.importance_sampling!r} with "
+                    f"surrogate={self.surrogate!r}",
+                    f"{self.surrogate} is built on token ratios (GMPO takes their geometric mean "
+                    "itself); the sequence ratios of GSPO are for the clipped surrogate",
+                    "set algo.importance_sampling=token",
+                )
+            if self.dual_clip_loss:
+                raise ConfigError(
+                    "algo.dual_clip_loss",
+                    f"dual clip with surrogate={self.surrogate!r}",
+                    "dual clip bounds PPO's clipped surrogate for negative advantages; "
+                    f"{self.surrogate} has its own clipping",
+                    "set algo.dual_clip_loss=false",
+                )
+        if self.surrogate == "cispo" and not (
+            0 <= self.cispo_weight_low <= 1 <= self.cispo_weight_high
+        ):
+            raise ConfigError(
+                "algo.cispo_weight_low/high",
+                f"[{self.cispo_weight_low}, {self.cispo_weight_high}] does not contain 1",
+                "CISPO clips the importance weight; an on-policy token (ratio 1) must keep "
+                "weight 1",
+                "set 0 <= cispo_weight_low <= 1 <= cispo_weight_high (default 0 and 5)",
+            )
+        if self.surrogate == "gmpo":
+            _check_positive("algo.gmpo_log_clip", self.gmpo_log_clip)
+            if self.loss_agg_mode != "seq-mean-token-mean":
+                raise ConfigError(
+                    "algo.loss_agg_mode",
+                    f"loss_agg_mode={self.loss_agg_mode!r} with surrogate='gmpo'",
+                    "GMPO's objective is one term per sequence averaged over sequences",
+                    "set algo.loss_agg_mode=seq-mean-token-mean",
+                )
+            if self.add_token_level_kl:
+                raise ConfigError(
+                    "algo.add_token_level_kl",
+                    "KL-in-reward (per-token advantages) with surrogate='gmpo'",
+                    "GMPO multiplies one sequence ratio by one sequence advantage",
+                    "set algo.add_token_level_kl=false, or use surrogate=clip",
+                )
+        correction = self.rollout_correction
+        if not correction.enabled:
+            return
+        if self.old_log_prob_source == "rollout":
+            raise ConfigError(
+                "algo.rollout_correction.level",
+                f"a {correction.level}-level correction with old_log_prob_source=rollout",
+                "the correction weighs pi_old / mu, and with rollout log-probs as the old "
+                "policy pi_old = mu: every weight would be 1",
+                "use algo.old_log_prob_source=recompute (or detach), or "
+                "algo.rollout_correction.level=none",
+            )
+        if self.surrogate == "gmpo" and correction.level == "token":
+            raise ConfigError(
+                "algo.rollout_correction.level",
+                "a token-level correction with surrogate='gmpo'",
+                "GMPO's loss has one term per sequence, which a per-token weight cannot scale",
+                "use algo.rollout_correction.level=sequence",
+            )
 
     def _warn_gspo_settings(self) -> None:
         if self.importance_sampling == "token":
@@ -599,6 +778,12 @@ class AlgoConfig:
             entropy_coef=self.entropy_coef,
             norm_length=self.response_length,
             log_ratio_clamp=self.log_ratio_clamp,
+            surrogate=self.surrogate,
+            cispo_weight_bounds=(self.cispo_weight_low, self.cispo_weight_high)
+            if self.surrogate == "cispo"
+            else None,
+            gmpo_log_clip=self.gmpo_log_clip if self.surrogate == "gmpo" else None,
+            rollout_correction=self.rollout_correction.correction(),
         )
 
     def advantage_settings(self) -> AdvantageSettings:
@@ -1049,6 +1234,19 @@ class TrainConfig:
     eval: EvalConfig = field(default_factory=EvalConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+    @property
+    def requests_rollout_routes(self) -> bool:
+        """Whether rollouts return the engine's routes: for R3, which replays them, and for the
+        trainer-vs-engine routing metrics (``routing_change_frac_vs_rollout``,
+        ``routing_mismatch_vs_rollout``) with ``algo.log_routing_change`` on an embedded engine
+        (SGLang servers return routes only when started with --enable-return-routed-experts,
+        which R3 asks for)."""
+        if not self.model.is_moe:
+            return False
+        if self.algo.routing_replay == "r3":
+            return True
+        return self.algo.log_routing_change and self.rollout.engine != "sglang"
 
     def __post_init__(self) -> None:
         _check_positive("steps", self.steps)

@@ -161,7 +161,7 @@ def build_rollout(cfg: TrainConfig) -> RolloutEngine:
         cfg.rollout,
         cfg.model,
         seed=cfg.seed,
-        enable_routed_experts=cfg.algo.routing_replay == "r3",
+        enable_routed_experts=cfg.requests_rollout_routes,
         work_dir=os.path.join(cfg.output_dir, "rollout"),
     )
 

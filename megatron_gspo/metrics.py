@@ -19,7 +19,7 @@ from typing import Any, Optional
 
 import torch
 
-from megatron_gspo.algo import kl_estimate
+from megatron_gspo.algo import log_prob_gap
 from megatron_gspo.config import AlgoConfig, LoggingConfig
 from megatron_gspo.samples import TrainSample
 
@@ -56,10 +56,13 @@ def rollout_metrics(samples: list[TrainSample]) -> dict[str, float]:
 
 
 def log_prob_gap_metrics(samples: list[TrainSample]) -> dict[str, float]:
-    """Trainer vs rollout log-probs on the same tokens: mean |difference| and k3 KL.
+    """Trainer vs rollout log-probs on the same tokens (:func:`~megatron_gspo.algo.log_prob_gap`):
+    ``rollout_log_prob_abs_diff``, ``rollout_kl_k3`` and the log-perplexity gap
+    ``rollout_log_ppl_diff`` / ``rollout_log_ppl_abs_diff``.
 
     Available when old log-probs were recomputed by the trainer before any update (the two
-    engines then hold the same weights, so the gap is pure train/inference mismatch).
+    engines then hold the same weights, so the gap is pure train/inference mismatch: precision,
+    kernels and, without R3, routes).
     """
     pairs = [
         (s.old_log_probs, s.rollout_log_probs, s.response_mask())
@@ -70,18 +73,14 @@ def log_prob_gap_metrics(samples: list[TrainSample]) -> dict[str, float]:
     ]
     if not pairs:
         return {}
-    trainer = torch.cat([p[0][p[2]].double() for p in pairs])
-    rollout = torch.cat([p[1][p[2]].double() for p in pairs])
-    return {
-        "rollout_log_prob_abs_diff": float((trainer - rollout).abs().mean()),
-        "rollout_kl_k3": float(kl_estimate(trainer, rollout, "k3").mean()),
-    }
+    trainer, rollout, masks = zip(*pairs)
+    return log_prob_gap(list(trainer), list(rollout), list(masks))
 
 
 def reduce_step_metrics(per_step: list[dict[str, float]]) -> dict[str, float]:
     """The metrics of several optimizer steps as one record: the mean of the finite values
-    (``*_max``: the maximum; ``skipped``, ``num_skipped``: the sum), plus ``grad_norm_max`` and
-    ``optimizer_steps``."""
+    (``*_max``: the maximum; ``*_min``: the minimum; ``skipped``, ``num_skipped``: the sum), plus
+    ``grad_norm_max`` and ``optimizer_steps``."""
     merged: dict[str, list[float]] = defaultdict(list)
     for metrics in per_step:
         for name, value in metrics.items():
@@ -90,6 +89,8 @@ def reduce_step_metrics(per_step: list[dict[str, float]]) -> dict[str, float]:
     for name, values in merged.items():
         if name.endswith("_max"):
             reduced[name] = max(values)
+        elif name.endswith("_min"):
+            reduced[name] = min(values)
         elif name in ("skipped", "num_skipped"):
             reduced[name] = sum(values)
         else:

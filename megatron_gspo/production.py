@@ -311,7 +311,7 @@ def generate(
     if group_size is None:
         group_size = cfg.algo.num_return_sequences_in_group
     if return_routes is None:
-        return_routes = cfg.algo.routing_replay == "r3"
+        return_routes = cfg.requests_rollout_routes
     from megatron_gspo.rollout import GenerateRequest
 
     requests = [

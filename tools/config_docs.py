@@ -113,16 +113,25 @@ def class_doc(cls: type) -> str:
 def render() -> str:
     root = config_module.TrainConfig
     parts = [HEADER, "## Top level", "", class_doc(root), "", *section(root, ""), ""]
-    hints = typing.get_type_hints(root)
-    for field in dataclasses.fields(root):
+    parts += subsections(root, "", level=2)
+    return "\n".join(parts).rstrip() + "\n"
+
+
+def subsections(cls: type, prefix: str, level: int) -> list[str]:
+    """A section per nested config dataclass of ``cls`` (and theirs, one heading level down)."""
+    parts: list[str] = []
+    hints = typing.get_type_hints(cls)
+    for field in dataclasses.fields(cls):
         sub = config_module._dataclass_of(hints[field.name])
         if sub is None:
             continue
-        parts += [f"## `{field.name}`", ""]
+        key = f"{prefix}{field.name}"
+        parts += [f"{'#' * level} `{key}`", ""]
         if sub.__doc__ and not sub.__doc__.startswith(f"{sub.__name__}("):
             parts += [class_doc(sub), ""]
-        parts += [*section(sub, f"{field.name}."), ""]
-    return "\n".join(parts).rstrip() + "\n"
+        parts += [*section(sub, f"{key}."), ""]
+        parts += subsections(sub, f"{key}.", level + 1)
+    return parts
 
 
 def main(argv: list[str]) -> int:

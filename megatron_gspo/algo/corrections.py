@@ -244,8 +244,8 @@ def correction_metrics(
 def finish_correction_metrics(metrics: dict[str, float]) -> dict[str, float]:
     """After the SUM / MAX / MIN reduction: add the relative effective sample sizes
     ``ess_token = E[w]^2 / E[w^2]`` (token-weighted) and ``ess_seq`` (sequence-weighted), in
-    ``(0, 1]``, 1 when every weight is equal (verl ``rollout_is_eff_sample_size``); drop ratio
-    extremes that saw no token. Returns a new dict; metrics without corrections pass unchanged.
+    ``(0, 1]``, 1 when every weight is equal (verl ``rollout_is_eff_sample_size``), in place of the
+    second moments they come from; drop ratio extremes that saw no token. Returns a new dict; metrics without corrections pass unchanged.
     """
     prefix = METRIC_PREFIX
     if f"{prefix}weight_mean" not in metrics:
@@ -257,6 +257,8 @@ def finish_correction_metrics(metrics: dict[str, float]) -> dict[str, float]:
     ):
         mean, square = float(metrics[prefix + mean_name]), float(metrics[prefix + square_name])
         finished[f"{prefix}ess_{suffix}"] = mean * mean / square if square > 0 else 0.0
+    for name in ("weight_sq_mean", "weight_sq_seq_mean"):
+        del finished[prefix + name]  # the ESS's inputs, not worth a curve of their own
     for name in ("ratio_max", "ratio_min"):
         value = finished.get(prefix + name)
         if value is not None and abs(float(value)) == float("inf"):

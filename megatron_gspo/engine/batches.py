@@ -48,7 +48,12 @@ def global_denominators(samples: Sequence[TrainSample]) -> GlobalDenominators:
 
 
 def validate_samples(
-    samples: Sequence[TrainSample], *, need_old: bool, need_advantages: bool, need_ref: bool
+    samples: Sequence[TrainSample],
+    *,
+    need_old: bool,
+    need_advantages: bool,
+    need_ref: bool,
+    need_behaviour: bool = False,
 ) -> None:
     """Fail with the sample index and the field when a sample cannot be trained on."""
     if not samples:
@@ -66,6 +71,8 @@ def validate_samples(
             )
         response = sample.response_length
         per_token = {"loss_mask": sample.loss_mask}
+        if need_behaviour:
+            per_token["rollout_log_probs"] = sample.rollout_log_probs
         if need_old:
             per_token["old_log_probs"] = sample.old_log_probs
         if need_ref:
@@ -141,6 +148,9 @@ class MicroBatch:
     """``[B]`` or ``[B, R_max]`` float32."""
     ref_log_probs: Optional[torch.Tensor]
     """``[B, R_max]`` float32."""
+    behaviour_log_probs: Optional[torch.Tensor] = None
+    """``[B, R_max]`` float32 rollout log-probs ``mu`` (zeros at padding), when a rollout
+    correction needs them."""
     routes: Optional[Any] = None
     """This rank's routes of the micro-batch (a :class:`~megatron_gspo.engine.routing_replay.
     MicroBatchRoutes`, set by the routing pass of a MoE forward), else None."""
@@ -177,6 +187,7 @@ def build_micro_batches(
     cp_rank: int,
     with_loss_inputs: bool = True,
     with_ref: bool = False,
+    with_behaviour: bool = False,
 ) -> list[MicroBatch]:
     """Pack this rank's bins. An empty bin becomes a filler micro-batch (one padding-only
     sequence, no loss token) so that every rank runs the same schedule."""
@@ -192,6 +203,7 @@ def build_micro_batches(
                     loss_mask=torch.zeros(1, dtype=torch.bool),
                     old_log_probs=torch.zeros(1),
                     ref_log_probs=torch.zeros(1),
+                    rollout_log_probs=torch.zeros(1),
                 )
             ]
             chosen_lengths = torch.zeros(1)
@@ -221,7 +233,7 @@ def build_micro_batches(
         held = torch.zeros((len(chosen), width), dtype=torch.bool)
         held[response_sample, response_index] = True
         mask = _padded_rows(masks, width).bool() & held
-        old = advantages = ref = None
+        old = advantages = ref = behaviour = None
         if with_loss_inputs:
             old = _padded_rows(
                 [
@@ -239,6 +251,8 @@ def build_micro_batches(
                 advantages = torch.stack([s.advantages.float() for s in chosen])
             if with_ref:
                 ref = _padded_rows([s.ref_log_probs for s in chosen], width)
+            if with_behaviour:
+                behaviour = _padded_rows([s.rollout_log_probs for s in chosen], width)
         micro_batches.append(
             MicroBatch(
                 packed=packed,
@@ -253,6 +267,7 @@ def build_micro_batches(
                 old_log_probs=old,
                 advantages=advantages,
                 ref_log_probs=ref,
+                behaviour_log_probs=behaviour,
             )
         )
     return micro_batches

@@ -775,6 +775,8 @@ class PolicyRouterReplay(RouterReplay):
     """Column of this layer in ``[L - 1, M, K]`` routes."""
     record_native: bool
     native_topk_idx: Optional[torch.Tensor]
+    used_topk_idx: Optional[torch.Tensor]
+    """The experts this forward dispatched to (replayed or native)."""
     forward_uses: int
 
     @classmethod
@@ -786,6 +788,7 @@ class PolicyRouterReplay(RouterReplay):
         replay.moe_index = moe_index
         replay.record_native = False
         replay.native_topk_idx = None
+        replay.used_topk_idx = None
         replay.forward_uses = 0
         return replay
 
@@ -794,6 +797,7 @@ class PolicyRouterReplay(RouterReplay):
         self.clear_indices()
         self.record_native = False
         self.native_topk_idx = None
+        self.used_topk_idx = None
         self.forward_uses = 0
 
     def get_replay_topk(
@@ -836,4 +840,6 @@ class PolicyRouterReplay(RouterReplay):
         )
         if action == RouterReplayAction.RECORD:
             self.native_topk_idx = indices
+        if action != RouterReplayAction.REPLAY_BACKWARD:
+            self.used_topk_idx = indices
         return probs, indices

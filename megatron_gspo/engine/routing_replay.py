@@ -50,8 +50,11 @@ one extra top-k of them; without replay the forward records its native routes. "
 policy's routes" are ``TrainSample.old_routes``, those the old-log-prob forward computed
 natively (under R3 that forward replays the rollout's routes and records what the trainer would
 have chosen, so the metric isolates the drift caused by the updates from train/inference
-mismatch). ``routing_change_frac_vs_rollout`` compares with the rollout engine's routes (under R3,
-or without replay when the samples carry them). Without
+mismatch). ``routing_change_frac_vs_rollout`` compares the trainer's native routes with the
+rollout engine's (whenever the samples carry them), and ``routing_mismatch_vs_rollout`` the
+experts the training forward actually used (replayed or native) with the rollout engine's: 0
+under R3 by construction on every replayed layer, the old policy's routes against the engine's
+under R2 (nonzero with a reduced-precision engine), the native routes without replay. Without
 an old-log-prob forward (``old_log_prob_source`` rollout or detach) ``routing_change_frac`` is not
 reported.
 """
@@ -302,7 +305,7 @@ class PolicyRouting:
                 old = self._validated(samples, old_routes, "old-policy routes")
             if self.mode == "r3":
                 rollout = replay
-            elif self.mode == "none" and all(routes is not None for routes in rollout_routes):
+            elif all(routes is not None for routes in rollout_routes):
                 rollout = self._validated(samples, rollout_routes, "rollout routes")
         if replay is None and old is None and rollout is None:
             yield None
@@ -377,7 +380,8 @@ class RoutingPass:
             self._buffer = torch.zeros(
                 (self.row_offsets[-1], num_layers, routing.topk), dtype=dtype
             )
-        self._counts = torch.zeros((3, num_layers), dtype=torch.float64, device=self.device)
+        # Rows: native vs old, native vs rollout, loss pairs, used (replayed or native) vs rollout.
+        self._counts = torch.zeros((4, num_layers), dtype=torch.float64, device=self.device)
 
     # -- per forward ------------------------------------------------------------------------
 
@@ -427,8 +431,12 @@ class RoutingPass:
                 if self.compare_rollout:
                     changed = topk_sets_differ(chosen, routes.rollout[:, m])
                     self._counts[1, m] += changed.sum().to(self._counts)
+                    used = replay.used_topk_idx[routes.compare_tokens.to(native.device)]
+                    differs = topk_sets_differ(used, routes.rollout[:, m])
+                    self._counts[3, m] += differs.sum().to(self._counts)
                 self._counts[2, m] += chosen.shape[0]
             replay.native_topk_idx = replay.recorded_topk_idx = replay.target_topk_idx = None
+            replay.used_topk_idx = None
             replay.record_native = False
             if self.recompute_in_backward:
                 replay.set_router_replay_action(RouterReplayAction.REPLAY_BACKWARD)
@@ -471,8 +479,12 @@ class RoutingPass:
         total = counts[2]
         if float(total.sum()) == 0:
             return metrics
-        for row, name in ((0, "routing_change_frac"), (1, "routing_change_frac_vs_rollout")):
-            if (row == 0 and not self.compare_old) or (row == 1 and not self.compare_rollout):
+        for row, name in (
+            (0, "routing_change_frac"),
+            (1, "routing_change_frac_vs_rollout"),
+            (3, "routing_mismatch_vs_rollout"),
+        ):
+            if (row == 0 and not self.compare_old) or (row != 0 and not self.compare_rollout):
                 continue
             metrics[name] = float(counts[row].sum() / total.sum())
             for m, layer in enumerate(self.routing.moe_layers):

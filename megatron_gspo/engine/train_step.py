@@ -21,6 +21,7 @@ loss) that also counts in that mean.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 from collections.abc import Callable, Sequence
@@ -40,7 +41,7 @@ from megatron.core.transformer.moe.moe_utils import (
     get_moe_layer_wise_logging_tracker,
 )
 
-from megatron_gspo.algo import policy_loss
+from megatron_gspo.algo import finish_correction_metrics, policy_loss
 from megatron_gspo.config import TrainConfig
 from megatron_gspo.engine.batches import (
     GlobalDenominators,
@@ -204,6 +205,17 @@ class TrainEngine:
                 target.copy_(source)
             reference.requires_grad_(False)
         self._offload_reference()
+
+    @contextmanager
+    def uncorrected(self):
+        """Train without ``algo.rollout_correction`` inside the block: for supervised steps,
+        whose samples were not sampled by the rollout engine (no behaviour log-probs)."""
+        saved = self.loss_settings
+        self.loss_settings = dataclasses.replace(saved, rollout_correction=None)
+        try:
+            yield
+        finally:
+            self.loss_settings = saved
 
     @contextmanager
     def native_routing(self):
@@ -392,15 +404,18 @@ class TrainEngine:
         """ONE optimizer step on this mini-batch (the same full list on every rank):
         :meth:`forward_backward` then :meth:`optimizer_step`.
 
-        Returns the metrics of ``policy_loss`` summed over the mini-batch (``*_max``: maximum),
+        Returns the metrics of ``policy_loss`` summed over the mini-batch (``*_max``: maximum,
+        ``*_min``: minimum; with a rollout correction, ``rollout_correction/*`` and their effective
+        sample sizes, :func:`~megatron_gspo.algo.finish_correction_metrics`),
         plus ``loss``, ``grad_norm``, ``lr`` (the one this step applied), ``skipped`` (1.0 if the
         step was skipped because the loss or the gradient norm was not finite),
         ``skipped_total``, ``num_micro_batches`` (per rank), ``tokens`` and ``padding_tokens``
         (packed, all ranks) and, with the load-balancing loss on, ``moe_load_balancing_loss``.
         MoE with ``algo.log_routing_change``: ``routing_change_frac`` (when the samples carry the
         old policy's routes, see :meth:`forward_log_probs`), ``routing_change_frac_vs_rollout``
-        (when they carry the rollout's routes) and their ``/layer_{i}`` values (``i``: decoder
-        layer), reduced over all ranks (module ``routing_replay``).
+        and ``routing_mismatch_vs_rollout`` (when they carry the rollout's routes) and their
+        ``/layer_{i}`` values (``i``: decoder layer), reduced over all ranks (module
+        ``routing_replay``).
         """
         return self.optimizer_step(self.forward_backward(samples))
 
@@ -409,13 +424,17 @@ class TrainEngine:
         over data parallel; no optimizer step. Returns the loss metrics (see :meth:`train_step`)."""
         algo = self.cfg.algo
         detach_old = algo.old_log_prob_source == "detach"
+        corrected = self.loss_settings.rollout_correction is not None
         validate_samples(
             samples,
             need_old=not detach_old,
             need_advantages=True,
             need_ref=algo.use_kl_loss,
+            need_behaviour=corrected,
         )
-        denominators, micro_batches = self._micro_batches(samples, with_ref=algo.use_kl_loss)
+        denominators, micro_batches = self._micro_batches(
+            samples, with_ref=algo.use_kl_loss, with_behaviour=corrected
+        )
         num_micro_batches = len(micro_batches)
         # Cancels Megatron's x cp / num_microbatches and DDP's / (dp x cp): see module docstring.
         loss_scale = float(num_micro_batches * self.parallel.dp)
@@ -438,6 +457,9 @@ class TrainEngine:
                 self.loss_settings,
                 ref_log_probs=(micro_batch.ref_log_probs.to(device) if algo.use_kl_loss else None),
                 entropy=entropy,
+                behaviour_log_probs=(
+                    micro_batch.behaviour_log_probs.to(device) if corrected else None
+                ),
                 num_sequences=denominators.num_sequences,
                 num_tokens=denominators.num_tokens,
                 sequence_lengths=micro_batch.lengths.to(device),
@@ -459,7 +481,7 @@ class TrainEngine:
             outputs = self._run_schedule(
                 self.model, micro_batches, loss_func, forward_only=False, routing=routing_pass
             )
-        metrics = self._reduce_metrics(outputs)
+        metrics = finish_correction_metrics(self._reduce_metrics(outputs))
         if routing_pass is not None:
             metrics.update(routing_pass.metrics)
         if self.cfg.model.is_moe and self.cfg.model.moe_aux_loss_coef > 0:
@@ -543,29 +565,35 @@ class TrainEngine:
         return float(values.sum()) / (moe_layers * num_micro_batches * self.parallel.dp)
 
     def _reduce_metrics(self, outputs: list[dict]) -> dict[str, float]:
-        """Sum (``*_max``: max) over micro-batches and dp x cp ranks; broadcast over pp."""
+        """Sum (``*_max``: max, ``*_min``: min) over micro-batches and dp x cp ranks; broadcast
+        over pp."""
         parallel = self.parallel
         result: Optional[dict[str, float]] = None
         if parallel.is_last_stage:
             names = sorted(outputs[0])
-            sums = [n for n in names if not n.endswith("_max")]
+            sums = [n for n in names if not n.endswith(("_max", "_min"))]
             maxima = [n for n in names if n.endswith("_max")]
+            # Minima travel negated, so that one MAX all-reduce serves both.
+            minima = [n for n in names if n.endswith("_min")]
             device = parallel.device
             sum_vector = torch.stack(
                 [torch.stack([out[n] for out in outputs]).sum() for n in sums]
             ).to(device, torch.float64)
+            extremes = [torch.stack([out[n] for out in outputs]).max() for n in maxima] + [
+                -torch.stack([out[n] for out in outputs]).min() for n in minima
+            ]
             max_vector = (
-                torch.stack([torch.stack([out[n] for out in outputs]).max() for n in maxima]).to(
-                    device, torch.float64
-                )
-                if maxima
+                torch.stack(extremes).to(device, torch.float64)
+                if extremes
                 else torch.zeros(0, dtype=torch.float64, device=device)
             )
             dist.all_reduce(sum_vector, group=parallel.dp_cp_group)
-            if maxima:
+            if extremes:
                 dist.all_reduce(max_vector, op=dist.ReduceOp.MAX, group=parallel.dp_cp_group)
             result = dict(zip(sums, sum_vector.tolist()))
-            result.update(zip(maxima, max_vector.tolist()))
+            values = max_vector.tolist()
+            result.update(zip(maxima, values[: len(maxima)]))
+            result.update(zip(minima, [-value for value in values[len(maxima) :]]))
         if parallel.pp > 1:
             holder = [result]
             source = dist.get_global_rank(parallel.pp_group, parallel.pp - 1)

@@ -301,3 +301,98 @@ def test_prompt_file_with_the_synthetic_reward_warns(tmp_path):
         warnings.simplefilter("error", ConfigWarning)
         load_config(None, [f"data.train_path={tmp_path / 'p.jsonl'}", "reward.functions=[math]"])
         load_config(None, [])  # the demo: synthetic prompts, synthetic reward
+
+
+CORRECTION = "algo.rollout_correction"
+
+
+@pytest.mark.parametrize(
+    "overrides,key,fragment",
+    [
+        ([f"{CORRECTION}.level=geometric"], f"{CORRECTION}.level", "'geometric'"),
+        ([f"{CORRECTION}.level=token", f"{CORRECTION}.mode=clip"], f"{CORRECTION}.mode", "clip"),
+        (
+            [f"{CORRECTION}.level=token", f"{CORRECTION}.low=0.5"],
+            f"{CORRECTION}.low",
+            "caps the weight from above only",
+        ),
+        ([f"{CORRECTION}.level=token", f"{CORRECTION}.high=0.9"], f"{CORRECTION}.high", ">= 1"),
+        (
+            [f"{CORRECTION}.level=sequence", f"{CORRECTION}.mode=mask", f"{CORRECTION}.low=1.01"],
+            f"{CORRECTION}.low/high",
+            "must be kept",
+        ),
+        (
+            [f"{CORRECTION}.level=token", "algo.old_log_prob_source=rollout"],
+            f"{CORRECTION}.level",
+            "pi_old = mu",
+        ),
+        (
+            ["algo.importance_sampling=token", "algo.surrogate=gmpo", f"{CORRECTION}.level=token"],
+            f"{CORRECTION}.level",
+            "one term per sequence",
+        ),
+        (["algo.surrogate=cispo"], "algo.importance_sampling", "token ratios"),
+        (["algo.surrogate=ppo"], "algo.surrogate", "'ppo'"),
+        (
+            ["algo.importance_sampling=token", "algo.surrogate=cispo", "algo.dual_clip_loss=true"],
+            "algo.dual_clip_loss",
+            "own clipping",
+        ),
+        (
+            [
+                "algo.importance_sampling=token",
+                "algo.surrogate=cispo",
+                "algo.cispo_weight_high=0.5",
+            ],
+            "algo.cispo_weight_low/high",
+            "contain 1",
+        ),
+        (
+            [
+                "algo.importance_sampling=token",
+                "algo.surrogate=gmpo",
+                "algo.loss_agg_mode=token-mean",
+            ],
+            "algo.loss_agg_mode",
+            "seq-mean-token-mean",
+        ),
+        (
+            [
+                "algo.importance_sampling=token",
+                "algo.surrogate=gmpo",
+                "algo.add_token_level_kl=true",
+            ],
+            "algo.add_token_level_kl",
+            "one sequence advantage",
+        ),
+        (["rollout.dtype=float8"], "rollout.dtype", "'float8'"),
+        (["rollout.engine=sglang", "rollout.dtype=bfloat16"], "rollout.dtype", "--dtype"),
+    ],
+)
+def test_impossible_mismatch_settings(overrides, key, fragment):
+    """Rollout corrections, CISPO / GMPO and rollout.dtype: what, why and how to fix, at start."""
+    with pytest.raises(ConfigError) as error:
+        load_quietly(None, overrides)
+    assert_config_error(error.value, key, fragment)
+
+
+@pytest.mark.parametrize(
+    "level,mode,bounds",
+    [
+        ("token", "truncate", (None, 2.0)),
+        ("token", "mask", (0.5, 5.0)),
+        ("sequence", "truncate", (None, 2.0)),
+        ("sequence", "mask", (0.999, 1.001)),
+    ],
+)
+def test_correction_defaults_reach_the_loss(level, mode, bounds):
+    cfg = load_quietly(None, [f"{CORRECTION}.level={level}", f"{CORRECTION}.mode={mode}"])
+    correction = cfg.algo.policy_loss_settings().rollout_correction
+    assert (correction.level, correction.mode, correction.low, correction.high) == (
+        level,
+        mode,
+        *bounds,
+    )
+    off = load_quietly(None, []).algo.policy_loss_settings()
+    assert off.rollout_correction is None and off.surrogate == "clip"

@@ -59,6 +59,17 @@ MODELS = {
     # Dense Qwen3 with tied embeddings (a tied copy on the last stage under pp).
     "dense": dict(architecture="qwen3", num_layers=2, tie_word_embeddings=True),
 }
+VARIANTS = {
+    # The MoE case with a rollout correction (bounds that bind on make_samples' behaviour
+    # log-probs: token ratios spread ~e^+-0.5, geometric means ~e^+-0.2) or another surrogate.
+    "tis": dict(rollout_correction=dict(level="token", mode="truncate", high=1.5)),
+    "icepop": dict(rollout_correction=dict(level="token", mode="mask", low=0.7, high=1.5)),
+    "geo_truncate": dict(rollout_correction=dict(level="sequence", mode="truncate", high=1.05)),
+    "geo_mask": dict(rollout_correction=dict(level="sequence", mode="mask", low=0.95, high=1.05)),
+    "cispo": dict(importance_sampling="token", surrogate="cispo", cispo_weight_high=1.005),
+    "gmpo": dict(importance_sampling="token", surrogate="gmpo", gmpo_log_clip=0.01),
+}
+"""Case name -> algo overrides on the ``moe`` model."""
 
 
 def parallel_overrides(layout: str, micro_batch_tokens: int) -> dict:
@@ -77,7 +88,9 @@ def parallel_overrides(layout: str, micro_batch_tokens: int) -> dict:
 
 def make_config(case: str, layout: str, micro_batch_tokens: int) -> TrainConfig:
     parallel = parallel_overrides(layout, micro_batch_tokens)
-    model = dict(vocab_size=VOCAB, hidden_size=64, head_dim=16, **MODELS[case])
+    variant = VARIANTS.get(case, {})
+    model_case = "moe" if case in VARIANTS else case
+    model = dict(vocab_size=VOCAB, hidden_size=64, head_dim=16, **MODELS[model_case])
     return from_dict(
         TrainConfig,
         dict(
@@ -92,6 +105,7 @@ def make_config(case: str, layout: str, micro_batch_tokens: int) -> TrainConfig:
                 clip_high=0.01,
                 response_length=12,
                 entropy_coef=0.01,
+                **variant,
             ),
             optim=dict(lr=1e-3, clip_grad=1.0, adam_eps=1e-6),
             rollout=dict(temperature=0.9),
@@ -101,7 +115,8 @@ def make_config(case: str, layout: str, micro_batch_tokens: int) -> TrainConfig:
 
 def make_samples(seed: int = 0) -> list[TrainSample]:
     """8 samples of different prompt and response lengths; one has masked tokens, one is fully
-    masked (no loss token), advantages are per sequence."""
+    masked (no loss token), advantages are per sequence; the rollout's behaviour log-probs are
+    the old ones moved by ~0.5 per token (NaN at masked positions: never read)."""
     generator = torch.Generator().manual_seed(seed)
     samples = []
     for index in range(8):
@@ -114,6 +129,8 @@ def make_samples(seed: int = 0) -> list[TrainSample]:
         if index == 5:
             mask[:] = False
         old = -math.log(VOCAB) + 0.02 * torch.randn(response, generator=generator)
+        behaviour = old - 0.5 * torch.randn(response, generator=generator)
+        behaviour[~mask] = math.nan
         samples.append(
             TrainSample(
                 tokens=tokens,
@@ -122,6 +139,7 @@ def make_samples(seed: int = 0) -> list[TrainSample]:
                 advantages=torch.randn((), generator=generator),
                 loss_mask=mask,
                 old_log_probs=old,
+                rollout_log_probs=behaviour,
             )
         )
     return samples
@@ -199,9 +217,10 @@ def reference_mode(cases: list[str], out: Path) -> None:
     for case in cases:
         result = run_case(case, "", MICRO_BATCH_TOKENS)
         torch.save(result, out / f"reference_{case}.pt")
-    # 1 vs 4 micro-batches (load-balancing loss off: it is a per-micro-batch statistic).
+    # 1 vs 4 micro-batches (load-balancing loss off: it is a per-micro-batch statistic); the
+    # loss variants' micro-batch invariance is tested on the loss itself (tests/algo).
     invariance = {}
-    for case in cases:
+    for case in (case for case in cases if case in MODELS):
         grads = {}
         for tokens in (10_000, 22):
             if dist.is_initialized():

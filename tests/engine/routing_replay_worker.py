@@ -291,6 +291,60 @@ def check_r3_log_probs_match_the_embedded_engine() -> None:
     assert metrics["routing_change_frac_vs_rollout"] < 0.01
 
 
+def check_bf16_engine_gap_r3_below_r2() -> None:
+    """A bfloat16 embedded engine (``rollout.dtype``) loaded with the trainer's weights samples
+    with its own routes. R3 replays them in the old-log-prob forward, R2 routes natively there:
+    the trainer-vs-engine log-prob gap is smaller under R3, and the experts the training forward
+    uses differ from the engine's on no (loss token, layer) pair under R3 but on some under R2."""
+    from megatron_gspo.engine.hf_weights import iter_hf_weights
+    from megatron_gspo.rollout.embedded import EmbeddedEngine
+    from megatron_gspo.rollout.types import GenerateRequest
+
+    results = {}
+    for mode in ("r3", "r2"):
+        engine = _engine(mode, model__init_std=0.2)
+        cfg = engine.cfg
+        if mode == "r3":  # the same seed gives both trainers the same weights: sample once
+            rollout = EmbeddedEngine(cfg.model, seed=0, dtype=torch.bfloat16)
+            rollout.sync_weights(iter_hf_weights(engine.policy_chunks, cfg), version=1)
+            requests = [
+                GenerateRequest(
+                    input_ids=[(7 * i + 3 * j) % 60 + 1 for j in range(3 + i)],
+                    max_new_tokens=16,
+                    temperature=cfg.rollout.temperature,
+                    seed=200 + i,
+                    return_routed_experts=True,
+                )
+                for i in range(8)
+            ]
+            generated = [
+                (request, result) for request, result in zip(requests, rollout.generate(requests))
+            ]
+            rollout.close()
+        samples = [
+            TrainSample(
+                tokens=torch.tensor(list(request.input_ids) + result.output_ids),
+                prompt_length=len(request.input_ids),
+                advantages=torch.tensor(1.0),
+                rollout_log_probs=torch.from_numpy(result.output_log_probs),
+                rollout_routes=torch.from_numpy(result.routed_experts),
+            )
+            for request, result in generated
+        ]
+        _prepare(engine, samples)
+        gap = torch.cat([(s.old_log_probs - s.rollout_log_probs).abs() for s in samples])
+        metrics = engine.forward_backward(samples)
+        results[mode] = (float(gap.mean()), metrics)
+    (gap_r3, metrics_r3), (gap_r2, metrics_r2) = results["r3"], results["r2"]
+    assert gap_r3 < gap_r2, (gap_r3, gap_r2)
+    assert metrics_r3["routing_mismatch_vs_rollout"] == 0.0, metrics_r3
+    for layer in range(MOE_LAYERS):
+        assert metrics_r3[f"routing_mismatch_vs_rollout/layer_{layer}"] == 0.0
+    assert metrics_r2["routing_mismatch_vs_rollout"] > 0.0, metrics_r2
+    # R2 replays the trainer's own routes: only the comparison with the engine's shows them.
+    assert metrics_r2["routing_change_frac"] == 0.0
+
+
 def check_activation_recompute_replays_in_backward() -> None:
     """Full recompute: the backward recomputation replays the same micro-batch's routes (FIFO),
     so gradients equal those without recompute; native routing would differ."""

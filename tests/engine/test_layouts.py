@@ -5,6 +5,9 @@ rebuilt between them); ``layout_worker.py`` compares each with the one-process r
 writes its errors per rank. Model: tiny Qwen3-MoE (4 layers, hidden 64, 8 experts top-2, vocab
 64, load-balancing loss on), Qwen2-MoE (shared expert, q/k/v bias, dense first layer) and dense
 Qwen3 with tied embeddings; 8 samples of different lengths, two micro-batches in every layout.
+The MoE case also runs with each rollout correction (token TIS, token mask, geometric-mean
+sequence truncate and mask: the weights of sequences split by cp need the all-reduced mean) in
+dp2, cp2 and pp2, and with the CISPO and GMPO surrogates.
 """
 
 from __future__ import annotations
@@ -22,6 +25,11 @@ WORKER = Path(__file__).with_name("layout_worker.py")
 TOLERANCE = 1e-5
 """Relative (gradients: norm-relative per tensor) error allowed against one process, fp32."""
 
+CORRECTIONS = ("tis", "icepop", "geo_truncate", "geo_mask")
+"""MoE cases with a rollout correction (layout_worker.VARIANTS), in dp2, cp2 and pp2."""
+SURROGATES = ("cispo", "gmpo")
+CASES = ("moe", "qwen2", "dense", *CORRECTIONS, *SURROGATES)
+
 LAUNCHES = {
     2: [
         "moe:dp2",
@@ -36,6 +44,10 @@ LAUNCHES = {
         "qwen2:pp2",
         "dense:pp2",
         "dense:cp2",
+        *(f"{case}:{layout}" for case in CORRECTIONS for layout in ("dp2", "cp2", "pp2")),
+        "cispo:cp2",
+        "gmpo:cp2",
+        "gmpo:pp2",
     ],
     4: [
         "moe:tp2.ep2",
@@ -55,7 +67,7 @@ LAUNCHES = {
 def reference_dir(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("layouts")
     run_worker(
-        [sys.executable, str(WORKER), "--out", str(out), "--reference", "moe", "qwen2", "dense"],
+        [sys.executable, str(WORKER), "--out", str(out), "--reference", *CASES],
         timeout=300,
     )
     return out
@@ -64,7 +76,7 @@ def reference_dir(tmp_path_factory) -> Path:
 def _launch(world: int, reference_dir: Path) -> dict:
     out = reference_dir / f"world{world}"
     out.mkdir(exist_ok=True)
-    for case in ("moe", "qwen2", "dense"):
+    for case in CASES:
         link = out / f"reference_{case}.pt"
         if not link.exists():
             link.symlink_to(reference_dir / f"reference_{case}.pt")

@@ -10,6 +10,9 @@ One process (``routing_replay_worker.py --checks``, a fresh process):
 * R3 replays given (random) routes in the old-log-prob and the training forwards;
 * R3 with the embedded engine loaded with the trainer's weights (``iter_hf_weights``): the
   trainer's recomputed log-probs equal the engine's to fp32 tolerance, ratio exactly 1;
+* with a bfloat16 engine (a real mismatch) R3 brings the trainer-vs-engine log-prob gap below
+  R2's, and the experts the training forward uses match the engine's everywhere under R3 and
+  not under R2 (``routing_mismatch_vs_rollout``);
 * full activation recompute replays the same routes in the backward (same gradients);
 * the KL reference model never replays; Megatron's registry holds only the policy's instances;
 * missing / malformed routes, and routes not consumed exactly once, raise naming sample or layer.
@@ -37,6 +40,7 @@ CHECKS = [
     "without_replay_perturbed_router_changes_routes",
     "r3_replay_forces_the_given_routes",
     "r3_log_probs_match_the_embedded_engine",
+    "bf16_engine_gap_r3_below_r2",
     "activation_recompute_replays_in_backward",
     "reference_forward_never_replays",
     "missing_or_malformed_routes_are_rejected",
