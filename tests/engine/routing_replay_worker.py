@@ -296,7 +296,7 @@ def check_bf16_engine_gap_r3_below_r2() -> None:
     with its own routes. R3 replays them in the old-log-prob forward, R2 routes natively there:
     the trainer-vs-engine log-prob gap is smaller under R3, and the experts the training forward
     uses differ from the engine's on no (loss token, layer) pair under R3 but on some under R2."""
-    from megatron_gspo.engine.hf_weights import iter_hf_weights
+    from megatron_gspo.engine.hf_import_export import iter_hf_weights
     from megatron_gspo.rollout.embedded import EmbeddedEngine
     from megatron_gspo.rollout.types import GenerateRequest
 
