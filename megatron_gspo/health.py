@@ -17,6 +17,7 @@ do; ``python -m megatron_gspo.train`` prints it without a traceback and exits wi
 from __future__ import annotations
 
 import math
+import signal
 from collections.abc import Mapping
 
 EXIT_CODE = 3
@@ -81,3 +82,37 @@ class CollapseGuard:
             "lower optim.lr and start again from the initial weights or a checkpoint saved "
             "before the collapse; optim.max_collapsed_steps=0 disables this stop",
         )
+
+
+# ---------------------------------------------------------------------------------------------
+# Ctrl-C
+# ---------------------------------------------------------------------------------------------
+
+_interrupted = False
+"""Set by the SIGINT handler of :func:`catch_interrupts` (a signal handler has no other way to
+tell the loop; it is process state by nature)."""
+
+
+def catch_interrupts() -> None:
+    """Make Ctrl-C impossible to lose (call from the main thread).
+
+    Python raises ``KeyboardInterrupt`` wherever the main thread is when SIGINT arrives; inside a
+    finalizer (``__del__``, a weakref callback, the garbage collector: frequent in a training
+    step) it is printed as "Exception ignored" and dropped, and the run goes on. The handler
+    also records the signal, and :func:`raise_if_interrupted` raises it again at the loop's next
+    step boundary.
+    """
+
+    def interrupt(signal_number: int, frame: object) -> None:
+        global _interrupted
+        _interrupted = True
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGINT, interrupt)
+
+
+def raise_if_interrupted() -> None:
+    """``KeyboardInterrupt`` if Ctrl-C was pressed (and possibly lost) since
+    :func:`catch_interrupts`."""
+    if _interrupted:
+        raise KeyboardInterrupt

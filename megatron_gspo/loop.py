@@ -18,7 +18,7 @@ import torch
 
 from megatron_gspo.config import TrainConfig
 from megatron_gspo.driver import build_driver
-from megatron_gspo.health import CollapseGuard
+from megatron_gspo.health import CollapseGuard, raise_if_interrupted
 from megatron_gspo.metrics import headline_metrics, log_prob_gap_metrics
 from megatron_gspo.policy_stages import (
     assign_advantages,
@@ -104,6 +104,7 @@ def run(cfg: TrainConfig) -> list[dict]:
             ):
                 save_checkpoint(engine, cfg, state.state_dict())
             driver.log(step, metrics)
+            raise_if_interrupted()  # a Ctrl-C that Python dropped inside a finalizer
             warmup_stats = {}
         return driver.records
 

@@ -31,7 +31,7 @@ from megatron_gspo.config import ConfigError, to_dict
 from megatron_gspo.config_loader import load_config, overrides_from_env
 from megatron_gspo.console import configure_logging, describe_outputs, summarize
 from megatron_gspo.health import EXIT_CODE as STOPPED_EXIT_CODE
-from megatron_gspo.health import RunStopped
+from megatron_gspo.health import RunStopped, catch_interrupts
 
 logger = logging.getLogger("megatron_gspo.train")
 
@@ -115,6 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     from megatron_gspo.loop import run
 
     exit_with_agent(rank)
+    catch_interrupts()
     started = time.monotonic()
     try:
         records = run(config)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from .harness import TINY, start, train_command
 
 
@@ -54,3 +56,31 @@ def test_ctrl_c_prints_how_to_resume(tmp_path):
     assert "Resume with:" in log and "resume=true" in log, log[-3000:]
     assert f"output_dir={output_dir}" in log.split("Resume with:")[1]
     assert "Traceback" not in log
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")  # the dropped one
+def test_ctrl_c_dropped_inside_a_finalizer_is_raised_at_the_next_check():
+    """Python drops a KeyboardInterrupt raised inside ``__del__`` ("Exception ignored"); the
+    run then went on to its end. The handler remembers it for the loop's next step."""
+    import gc
+    import os
+    import signal
+
+    from megatron_gspo import health
+
+    class Finalized:
+        def __del__(self):
+            os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C while a finalizer runs
+            sum(range(1000))  # the handler runs at the next bytecode, inside __del__
+
+    previous = signal.getsignal(signal.SIGINT)
+    try:
+        health.catch_interrupts()
+        health.raise_if_interrupted()  # nothing pressed yet
+        Finalized()
+        gc.collect()
+        with pytest.raises(KeyboardInterrupt):
+            health.raise_if_interrupted()
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        health._interrupted = False
