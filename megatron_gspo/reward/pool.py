@@ -158,6 +158,15 @@ class _Pool:
 
 
 class ThreadPool(_Pool):
+    """Slots are threads of this process that take calls from one shared queue.
+
+    Unlike the process pool, the scheduling needs no message per call: the whole batch is
+    queued at once, each thread notes which call it runs and since when, and the caller sleeps
+    until the last outcome arrives or the oldest running call reaches its limit. Handing every
+    call to a slot and waking the caller for every result cost 25 us per call (1.7 ms for the 64
+    calls of a vs-TRL step against 0.09 ms for the calls themselves; benchmarks/README.md).
+    """
+
     def __init__(
         self,
         functions: Sequence[Callable[[RewardInput], float]],
@@ -166,47 +175,72 @@ class ThreadPool(_Pool):
     ):
         super().__init__(num_workers, timeout_s)
         self.functions = list(functions)
-        self._results: queue.Queue = queue.Queue()
-        self._inboxes: list[queue.Queue] = [queue.Queue() for _ in range(num_workers)]
+        self._condition = threading.Condition()
+        self._calls: queue.SimpleQueue = queue.SimpleQueue()
+        self._threads: list = [None] * num_workers
+        """The live thread of each slot; a thread that finds itself replaced stops."""
+        self._running: dict[int, tuple[int, float]] = {}  # slot -> (call index, start time)
+        self._outcomes: list = []
+        self._remaining = 0
         for slot in range(num_workers):
             self._start(slot)
 
-    def _start(self, slot: int) -> None:
-        self._inboxes[slot] = queue.Queue()
-        thread = threading.Thread(
-            target=self._serve,
-            args=(slot, self._inboxes[slot]),
-            name=f"reward-worker-{slot}",
-            daemon=True,
-        )
-        thread.start()
+    def run(self, calls: Sequence[Call]) -> list[CallOutcome]:
+        """Outcomes of ``calls``, in order."""
+        if not calls:
+            return []
+        with self._condition:
+            self._outcomes = outcomes = [None] * len(calls)
+            self._remaining = len(calls)
+            for call_index, (function_index, sample) in enumerate(calls):
+                self._calls.put((outcomes, call_index, function_index, sample))
+            while self._remaining:
+                now = time.monotonic()
+                for slot, (call_index, start) in list(self._running.items()):
+                    if now - start >= self.timeout_s:
+                        outcomes[call_index] = CallOutcome(
+                            "timeout",
+                            float("nan"),
+                            f"no result after {self.timeout_s:g} s (reward.timeout_s)",
+                            now - start,
+                        )
+                        self._remaining -= 1
+                        del self._running[slot]
+                        self._replace(slot)
+                # A call that starts while we wait ends its limit after this wait does.
+                oldest = min((start for _, start in self._running.values()), default=now)
+                if self._remaining:
+                    self._condition.wait(max(0.0, oldest + self.timeout_s - now))
+        return outcomes
 
-    def _serve(self, slot: int, inbox: queue.Queue) -> None:
+    def _serve(self, slot: int) -> None:
+        me = threading.current_thread()
         while True:
-            task = inbox.get()
+            task = self._calls.get()
             if task is None:
                 return
-            call_index, function_index, sample = task
+            outcomes, call_index, function_index, sample = task
+            with self._condition:
+                if self._threads[slot] is not me:  # replaced while idle: give the call back
+                    self._calls.put(task)
+                    return
+                self._running[slot] = (call_index, time.monotonic())
             outcome = call_reward(self.functions[function_index], sample)
-            self._results.put((slot, inbox, call_index, outcome))
+            with self._condition:
+                if self._threads[slot] is not me:  # abandoned after a time-out: discard
+                    return
+                del self._running[slot]
+                outcomes[call_index] = outcome
+                self._remaining -= 1
+                if not self._remaining:
+                    self._condition.notify()
 
-    def _submit(self, slot, call_index, function_index, sample) -> None:
-        self._inboxes[slot].put((call_index, function_index, sample))
-
-    def _wait(self, busy, timeout):
-        ready = []
-        try:
-            ready.append(self._results.get(timeout=timeout))
-            while True:
-                ready.append(self._results.get_nowait())
-        except queue.Empty:
-            pass
-        # A result from an abandoned thread (its inbox was replaced) is stale.
-        return [
-            (slot, call_index, outcome)
-            for slot, inbox, call_index, outcome in ready
-            if inbox is self._inboxes[slot]
-        ]
+    def _start(self, slot: int) -> None:
+        thread = threading.Thread(
+            target=self._serve, args=(slot,), name=f"reward-worker-{slot}", daemon=True
+        )
+        self._threads[slot] = thread
+        thread.start()
 
     def _stop(self, slot: int) -> None:
         logger.warning(
@@ -214,11 +248,11 @@ class ThreadPool(_Pool):
             "the call keeps running in the background (use reward.executor=process to kill it)",
             slot,
         )
-        self._inboxes[slot].put(None)  # lets the thread exit once the call returns
+        self._threads[slot] = None  # the thread stops once the call returns
 
     def close(self) -> None:
-        for inbox in self._inboxes:
-            inbox.put(None)
+        for _ in range(self.num_workers):
+            self._calls.put(None)
 
 
 # --------------------------------------------------------------------------------------------
