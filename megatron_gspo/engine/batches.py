@@ -20,6 +20,7 @@ import torch
 
 from megatron_gspo.engine.packing import (
     PackedSequences,
+    full_row_positions,
     pack_sequences,
     plan_micro_batches,
 )
@@ -38,8 +39,14 @@ class GlobalDenominators:
     """``[num_samples]`` float32 loss tokens per sample (``n_i``)."""
 
 
+def _loss_tokens(sample: TrainSample) -> float:
+    if sample.loss_mask is None:  # every response token counts: no tensor to build and sum
+        return float(sample.response_length)
+    return float(sample.loss_mask.bool().sum())
+
+
 def global_denominators(samples: Sequence[TrainSample]) -> GlobalDenominators:
-    lengths = torch.tensor([float(s.response_mask().sum()) for s in samples], dtype=torch.float32)
+    lengths = torch.tensor([_loss_tokens(s) for s in samples], dtype=torch.float32)
     return GlobalDenominators(
         num_sequences=max(1.0, float((lengths > 0).sum())),
         num_tokens=max(1.0, float(lengths.sum())),
@@ -171,9 +178,11 @@ class MicroBatch:
 
 
 def _padded_rows(values: Sequence[torch.Tensor], width: int) -> torch.Tensor:
-    out = torch.zeros((len(values), width), dtype=torch.float32)
-    for row, value in enumerate(values):
-        out[row, : value.numel()] = value.float()
+    """``[B, width]`` float32: row ``b`` is ``values[b]`` (``[n_b]``, ``n_b <= width``) then
+    zeros. One padding op for the batch, not one copy per row."""
+    out = torch.nn.utils.rnn.pad_sequence([value.float() for value in values], batch_first=True)
+    if out.shape[1] < width:
+        out = torch.nn.functional.pad(out, (0, width - out.shape[1]))
     return out
 
 
@@ -215,16 +224,14 @@ def build_micro_batches(
         )
         response_lengths = [s.response_length for s in chosen]
         width = max(response_lengths)
-        # Full-row maps: position P_b - 1 + j of sequence b predicts response token j.
-        sample_map = torch.full((packed.num_tokens,), -1, dtype=torch.long)
-        index_map = torch.full((packed.num_tokens,), -1, dtype=torch.long)
-        masks = [s.response_mask() for s in chosen]
-        offset = 0
-        for row, (sample, padded) in enumerate(zip(chosen, packed.padded_lengths)):
-            start = offset + sample.prompt_length - 1
-            sample_map[start : start + sample.response_length] = row
-            index_map[start : start + sample.response_length] = torch.arange(sample.response_length)
-            offset += padded
+        # Full-row maps: position P_b - 1 + j of sequence b predicts response token j, for
+        # 0 <= j < R_b (the last of which is the sequence's last input position, L_b - 2).
+        sequence, position = full_row_positions(packed.padded_lengths)
+        first = torch.tensor([s.prompt_length - 1 for s in chosen], dtype=torch.long)[sequence]
+        index_map = position - first
+        responding = (index_map >= 0) & (position < torch.tensor(packed.lengths)[sequence])
+        sample_map = torch.where(responding, sequence, -1)
+        index_map = torch.where(responding, index_map, -1)
         local_sample = packed.split(sample_map)
         local_index = packed.split(index_map)
         rows = torch.nonzero(local_index >= 0).squeeze(1)
@@ -232,7 +239,10 @@ def build_micro_batches(
         response_index = local_index[rows]
         held = torch.zeros((len(chosen), width), dtype=torch.bool)
         held[response_sample, response_index] = True
-        mask = _padded_rows(masks, width).bool() & held
+        if all(s.loss_mask is None for s in chosen):
+            mask = held  # every response token counts, and held lies inside the responses
+        else:
+            mask = _padded_rows([s.response_mask() for s in chosen], width).bool() & held
         old = advantages = ref = behaviour = None
         if with_loss_inputs:
             old = _padded_rows(
