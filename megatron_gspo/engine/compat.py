@@ -9,8 +9,11 @@ when an upstream change makes it unnecessary or ineffective.
 
 Section numbers are those of ``docs/megatron-cpu.md`` ("The CPU shims"), which says why each
 exists; 2b (the grad-norm fallback) and 5b (``Tensor.cuda()`` when tying embeddings over pipeline
-stages) were found here, as were two for speed alone: 7b (dynamo traces the router's no-op
-expert-bias update) and 11 (the local experts without per-expert modules, ``engine/experts.py``).
+stages) were found here, as were five for speed alone: 7b (dynamo traces the router's no-op
+expert-bias update), 11 (the local experts without per-expert modules, ``engine/experts.py``),
+2c (gradient clipping in place), 12 (packed RoPE tables once per micro-batch) and 13 (no
+gradient all-reduce over a data-parallel group of one); benchmarks/README.md, "vs TRL", has
+their measurements.
 Shim 9 is not a patch but a norm class used in the local layer spec.
 
 Version differences are guarded here and nowhere else. Each shim (and each part of one, such as a
@@ -305,13 +308,39 @@ def _shim_l2_norm() -> None:
     from megatron.core.optimizer import clip_grads
 
     def cpu_multi_tensor_l2_norm(chunk_size, noop_flag, tensor_lists, per_tensor, *args):
-        tensors = [t.detach() for group in tensor_lists for t in group]
+        # Gradients never require grad: no detach per tensor (49 dispatches on the tiny model).
+        tensors = [t.detach() if t.requires_grad else t for group in tensor_lists for t in group]
         if not tensors:
             return torch.zeros(1), None
         norms = torch.stack(torch._foreach_norm(tensors)).double()
         return norms.pow(2).sum().sqrt().float().reshape(1), None
 
     clip_grads.l2_norm_impl = cpu_multi_tensor_l2_norm
+
+
+# 2c. The grad-clipping fallback without apex/TE.
+def _cpu_multi_tensor_scale(chunk_size: int, noop_flag: Any, tensor_lists: list, scale: float):
+    """``dst = src * scale`` for each pair: in place (one ``_foreach_mul_``) when ``dst`` is
+    ``src``, as gradient clipping calls it; the same products as upstream's loop."""
+    sources, targets = tensor_lists[0], tensor_lists[1]
+    if all(source is target for source, target in zip(sources, targets)):
+        torch._foreach_mul_(list(targets), scale)
+    else:
+        torch._foreach_copy_(list(targets), torch._foreach_mul(list(sources), scale))
+
+
+@_shim(
+    "local_multi_tensor_scale",
+    "megatron.core.utils.local_multi_tensor_scale, bound as optimizer.clip_grads."
+    "multi_tensor_scale_impl without apex/TE (gradient clipping: per tensor, a scaled copy "
+    "then a copy back)",
+)
+def _shim_multi_tensor_scale() -> None:
+    """Gradient clipping scales the gradients in place with one ``_foreach_mul_`` (bit-identical
+    products, no temporary per tensor)."""
+    from megatron.core.optimizer import clip_grads
+
+    clip_grads.multi_tensor_scale_impl = _cpu_multi_tensor_scale
 
 
 # ---------------------------------------------------------------------------------------------
@@ -697,6 +726,174 @@ def _shim_batched_experts() -> None:
         )
         return
     SequentialMLP.forward = _with_batched_experts(SequentialMLP.forward)
+
+
+# ---------------------------------------------------------------------------------------------
+# 12. Packed (THD) RoPE: the micro-batch's rotary tables built once
+# ---------------------------------------------------------------------------------------------
+
+THD_ROPE_PARAMETERS = (
+    "t",
+    "cu_seqlens",
+    "freqs",
+    "rotary_interleaved",
+    "multi_latent_attention",
+    "mscale",
+    "cp_group",
+)
+"""The ``_apply_rotary_pos_emb_thd`` signature of 0.16.1-0.18.x this shim reproduces."""
+
+
+def _with_cached_thd_tables(apply_thd: Callable) -> Callable:
+    if getattr(apply_thd, "_cpu_shim", False):
+        return apply_thd
+    from megatron.core.models.common.embeddings import rope_utils
+
+    # One entry: the last micro-batch's (cu_seqlens, freqs, cp rank, dtype, mscale) and its
+    # cos / sin tables. The tensors themselves are kept, so their ids cannot be reused.
+    cache: dict[str, Any] = {}
+
+    @functools.wraps(apply_thd)
+    def apply(
+        t: torch.Tensor,
+        cu_seqlens: torch.Tensor,
+        freqs: torch.Tensor,
+        rotary_interleaved: bool = False,
+        multi_latent_attention: bool = False,
+        mscale: float = 1.0,
+        cp_group: Any = None,
+    ) -> torch.Tensor:
+        if cp_group is None or multi_latent_attention or t.device.type != "cpu":
+            return apply_thd(
+                t, cu_seqlens, freqs, rotary_interleaved, multi_latent_attention, mscale, cp_group
+            )
+        key = (
+            cp_group.size(),
+            cp_group.rank(),
+            t.dtype,
+            mscale,
+            cu_seqlens._version,
+            torch.is_inference_mode_enabled(),
+        )
+        entry = cache.get("tables")
+        if (
+            entry is None
+            or entry["cu_seqlens"] is not cu_seqlens
+            or entry["freqs"] is not freqs
+            or entry["key"] != key
+            or entry["freqs_version"] != freqs._version
+        ):
+            cp_size, cp_rank = key[0], key[1]
+            # Upstream's packed frequencies (both of its mappings), as it builds them per call.
+            seqlens = ((cu_seqlens[1:] - cu_seqlens[:-1]) // cp_size).tolist()
+            exact = freqs.dim() >= 1 and freqs.size(0) == cu_seqlens[-1]
+            slices = [
+                rope_utils._get_thd_freqs_on_this_cp_rank(
+                    cp_rank, cp_size, x, freqs, *((int(cu_seqlens[i]),) if exact else ())
+                )
+                for i, x in enumerate(torch.split(t, seqlens))
+            ]
+            packed = torch.cat(slices, dim=0)
+            entry = {
+                "cu_seqlens": cu_seqlens,
+                "freqs": freqs,
+                "key": key,
+                "freqs_version": freqs._version,
+                "rot_dim": packed.shape[-1],
+                "cos": (torch.cos(packed) * mscale).to(t.dtype),
+                "sin": (torch.sin(packed) * mscale).to(t.dtype),
+            }
+            cache["tables"] = entry
+        # _apply_rotary_pos_emb_bshd's arithmetic on [t, 1, h, d] with the cached tables.
+        t = t.unsqueeze(1)
+        rot_dim = entry["rot_dim"]
+        rotated, passed = t[..., :rot_dim], t[..., rot_dim:]
+        rotated = (rotated * entry["cos"]) + (
+            rope_utils._rotate_half(rotated, rotary_interleaved) * entry["sin"]
+        )
+        # Upstream concatenates the (here empty) pass-through part: a copy of equal values.
+        if passed.shape[-1]:
+            rotated = torch.cat((rotated, passed), dim=-1)
+        return rotated.squeeze(1)
+
+    apply._cpu_shim = True
+    return apply
+
+
+@_shim(
+    "thd_rope_tables",
+    "models.common.embeddings.rope_utils._apply_rotary_pos_emb_thd (unfused RoPE of packed "
+    "sequences: per call, a Python loop over the micro-batch's sequences slicing the frequency "
+    "table, a cat, then cos and sin of the packed table; 2 calls per layer, same tables)",
+)
+def _shim_thd_rope_tables() -> None:
+    """Packed RoPE builds the micro-batch's frequency, cos and sin tables once and reuses them
+    for the queries and keys of every layer (same values, same arithmetic: bit-identical)."""
+    from megatron.core.models.common.embeddings import rope_utils
+
+    parameters = tuple(inspect.signature(rope_utils._apply_rotary_pos_emb_thd).parameters)
+    if parameters != THD_ROPE_PARAMETERS:
+        logger.warning(
+            "_apply_rotary_pos_emb_thd%s differs from the checked signature; RoPE tables are "
+            "rebuilt per call",
+            parameters,
+        )
+        return
+    rope_utils._apply_rotary_pos_emb_thd = _with_cached_thd_tables(
+        rope_utils._apply_rotary_pos_emb_thd
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# 13. Gradient all-reduce over a data-parallel group of one
+# ---------------------------------------------------------------------------------------------
+
+
+def _skipping_lone_grad_sync(start_grad_sync: Callable) -> Callable:
+    if getattr(start_grad_sync, "_cpu_shim", False):
+        return start_grad_sync
+
+    @functools.wraps(start_grad_sync)
+    def start(self: Any, force_all_reduce: bool = False) -> None:
+        config = self.ddp_config
+        group = (
+            self.intra_distributed_optimizer_instance_group
+            if config.use_distributed_optimizer
+            else self.data_parallel_group
+        )
+        if (
+            config.overlap_grad_reduce
+            or config.num_distributed_optimizer_instances != 1
+            or config.check_for_nan_in_grad
+            or config.check_for_large_grads
+            or group is None
+            or group.size() != 1
+        ):
+            return start_grad_sync(self, force_all_reduce)
+        # What upstream does before its collective, which on one rank leaves the buffer as is.
+        for bucket in self.buckets:
+            if bucket.gradient_scaling_factor != 1.0:
+                bucket.grad_data *= bucket.gradient_scaling_factor
+        self.grad_reduce_handle = None
+
+    start._cpu_shim = True
+    return start
+
+
+@_shim(
+    "lone_grad_sync",
+    "distributed.param_and_grad_buffer._ParamAndGradBucketGroup.start_grad_sync (a coalesced "
+    "gloo all-reduce of every gradient bucket, twice per optimizer step, also when the "
+    "data-parallel group is this rank alone: a hand-off to gloo's worker thread each)",
+)
+def _shim_lone_grad_sync() -> None:
+    """Gradient buckets of a data-parallel group of one rank are only scaled (upstream's
+    ``gradient_scaling_factor``), not all-reduced with themselves."""
+    from megatron.core.distributed.param_and_grad_buffer import _ParamAndGradBucketGroup
+
+    _ParamAndGradBucketGroup.start_grad_sync = _skipping_lone_grad_sync(
+        _ParamAndGradBucketGroup.start_grad_sync
+    )
 
 
 # ---------------------------------------------------------------------------------------------

@@ -43,6 +43,7 @@ def need_probes() -> dict:
     """shim name -> probe returning True when upstream still needs the shim."""
     from megatron.core import utils
     from megatron.core.distributed import param_and_grad_buffer
+    from megatron.core.models.common.embeddings import rope_utils
     from megatron.core.models.common.language_module import language_module
     from megatron.core.optimizer import clip_grads, distrib_optimizer
     from megatron.core.tensor_parallel import mappings
@@ -106,6 +107,22 @@ def need_probes() -> dict:
             "for expert, tokens, probs in zip(self.local_experts"
             in inspect.getsource(SequentialMLP.forward)
         ),
+        # Per call: the packed table from a loop over sequences, then its cos and sin.
+        "thd_rope_tables": lambda: (
+            "torch.split(t, seqlens)" in inspect.getsource(rope_utils._apply_rotary_pos_emb_thd)
+            and "torch.cos(freqs)" in inspect.getsource(rope_utils._apply_rotary_pos_emb_bshd)
+        ),
+        "local_multi_tensor_scale": lambda: (
+            clip_grads.multi_tensor_scale_impl is utils.local_multi_tensor_scale
+            and "dst.copy_(src * scale)" in inspect.getsource(utils.local_multi_tensor_scale)
+        ),
+        # The collective runs whatever the group's size.
+        "lone_grad_sync": lambda: (
+            "torch.distributed.all_reduce(\n"
+            in inspect.getsource(param_and_grad_buffer._ParamAndGradBucketGroup.start_grad_sync)
+            and ".size() == 1"
+            not in inspect.getsource(param_and_grad_buffer._ParamAndGradBucketGroup.start_grad_sync)
+        ),
     }
 
 
@@ -130,7 +147,10 @@ def norm_probe() -> bool:
 def works_checks() -> dict:
     """After apply_cpu_shims (needs torch.distributed initialised, world size 1)."""
     import numpy as np
+    import torch.distributed as dist
     from megatron.core import tensor_parallel
+    from megatron.core.distributed.param_and_grad_buffer import _ParamAndGradBucketGroup
+    from megatron.core.models.common.embeddings import rope_utils
     from megatron.core.models.common.language_module.language_module import LanguageModule
     from megatron.core.optimizer import clip_grads, distrib_optimizer
     from megatron.core.tensor_parallel import random as tp_random
@@ -158,6 +178,31 @@ def works_checks() -> dict:
         return abs(norm - 6.0) < 1e-6 and torch.allclose(
             param.grad, torch.full((4,), 0.5), atol=1e-6
         )
+
+    def rope_tables() -> bool:
+        """Bit-identical to upstream in value and gradient, with the tables built and reused,
+        for both of upstream's frequency mappings (per sequence, and the whole packed row)."""
+        shimmed = rope_utils._apply_rotary_pos_emb_thd
+        upstream = shimmed.__wrapped__
+        generator = torch.Generator().manual_seed(0)
+        cu_seqlens = torch.tensor([0, 5, 12, 20], dtype=torch.int32)
+        weights = torch.randn(20, 3, 8, generator=generator)
+        for freqs in (torch.randn(16, 1, 1, 8), torch.randn(20, 1, 1, 8)):
+            for _ in range(2):
+                t = torch.randn(20, 3, 8, generator=generator, requires_grad=True)
+                ours = shimmed(t, cu_seqlens, freqs, cp_group=dist.group.WORLD)
+                (ours_grad,) = torch.autograd.grad((ours * weights).sum(), t)
+                theirs = upstream(t, cu_seqlens, freqs, cp_group=dist.group.WORLD)
+                (their_grad,) = torch.autograd.grad((theirs * weights).sum(), t)
+                if not (torch.equal(ours, theirs) and torch.equal(ours_grad, their_grad)):
+                    return False
+        return getattr(shimmed, "_cpu_shim", False)
+
+    def scale() -> bool:
+        grads = [torch.randn(5, generator=torch.Generator().manual_seed(i)) for i in range(3)]
+        expected = [grad * 0.3 for grad in grads]
+        clip_grads.multi_tensor_scale_impl(0, None, [grads, grads], 0.3)
+        return all(torch.equal(a, b) for a, b in zip(grads, expected))
 
     return {
         "current_device": lambda: torch.cuda.current_device() == torch.device("cpu"),
@@ -205,6 +250,12 @@ def works_checks() -> dict:
             tensor_parallel.mappings._gather_along_first_dim, "_cpu_shim", False
         ),
         "batched_experts": lambda: getattr(SequentialMLP.forward, "_cpu_shim", False),
+        "thd_rope_tables": rope_tables,
+        "local_multi_tensor_scale": scale,
+        # Exactness at dp = 1 (and the collective at dp > 1): tests/engine/test_layouts.py.
+        "lone_grad_sync": lambda: getattr(
+            _ParamAndGradBucketGroup.start_grad_sync, "_cpu_shim", False
+        ),
     }
 
 
