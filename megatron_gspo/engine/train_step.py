@@ -61,7 +61,7 @@ from megatron_gspo.engine.model import (
 )
 from megatron_gspo.engine.optimizer import build_optimizer, build_scheduler, clip_gradients
 from megatron_gspo.engine.packing import padding_multiple
-from megatron_gspo.engine.parallel import ParallelState, initialize_parallel
+from megatron_gspo.engine.parallel import ParallelState, all_reduce, initialize_parallel
 from megatron_gspo.engine.routing_replay import PolicyRouting, RoutingPass, check_never_replays
 from megatron_gspo.engine.sharding import initialize_weights_from_seed
 from megatron_gspo.health import RunStopped
@@ -391,7 +391,7 @@ class TrainEngine:
                 model, micro_batches, loss_func, forward_only=True, routing=routing_pass
             )
         flat = flat.to(self.parallel.device)
-        dist.all_reduce(flat, group=self.parallel.world_group)
+        all_reduce(flat, self.parallel.world_group)
         flat = flat.cpu()
         return ForwardLogProbs(
             log_probs=[flat[offsets[i] : offsets[i + 1]].clone() for i in range(len(samples))],
@@ -490,7 +490,7 @@ class TrainEngine:
         tokens = sum(mb.packed.num_tokens for mb in micro_batches)
         counts = torch.tensor([padding, tokens], dtype=torch.float64, device=device)
         # Each dp rank packs its own micro-batches; tp/cp/pp replicas pack the same ones.
-        dist.all_reduce(counts, group=self.parallel.dp_group)
+        all_reduce(counts, self.parallel.dp_group)
         metrics.update(
             num_micro_batches=float(num_micro_batches),
             padding_tokens=float(counts[0]),
@@ -559,7 +559,7 @@ class TrainEngine:
         )
         if entry is not None:
             values += entry["values"][: self.config.num_layers].to(values)
-        dist.all_reduce(values, group=self.parallel.world_group)
+        all_reduce(values, self.parallel.world_group)
         clear_aux_losses_tracker()
         moe_layers = len(self.cfg.model.moe_layer_indices)
         return float(values.sum()) / (moe_layers * num_micro_batches * self.parallel.dp)
@@ -587,9 +587,9 @@ class TrainEngine:
                 if extremes
                 else torch.zeros(0, dtype=torch.float64, device=device)
             )
-            dist.all_reduce(sum_vector, group=parallel.dp_cp_group)
+            all_reduce(sum_vector, parallel.dp_cp_group)
             if extremes:
-                dist.all_reduce(max_vector, op=dist.ReduceOp.MAX, group=parallel.dp_cp_group)
+                all_reduce(max_vector, parallel.dp_cp_group, dist.ReduceOp.MAX)
             result = dict(zip(sums, sum_vector.tolist()))
             values = max_vector.tolist()
             result.update(zip(maxima, values[: len(maxima)]))
