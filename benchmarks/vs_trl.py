@@ -87,6 +87,7 @@ OLD_LOG_PROBS = ("rollout", "recompute")
 DEFAULT_STEPS = {"tiny": 8, "small": 4, "medium": 3}
 """Rollout steps per run (the first is left out of the medians)."""
 DEFAULT_REPEATS = {"tiny": 2, "small": 2, "medium": 1}
+DTYPE_SUFFIX = {"bfloat16": "bf16", "float16": "fp16"}
 
 
 @dataclass(frozen=True)
@@ -97,16 +98,25 @@ class Variant:
     framework: str
     old_log_probs: Optional[str] = None
     repo_root: Optional[str] = None
+    rollout_dtype: Optional[str] = None
+    """Our embedded engine's ``rollout.dtype``; None: not set (the trainer's float32)."""
 
 
 def variants_for(args: argparse.Namespace) -> list[Variant]:
+    """``LABEL[_recompute]`` for each checkout and this tree (float32 engine), ``ours_bf16`` etc.
+    for this tree's other engine dtypes (the natural source only: that is where the engine's
+    precision shows; older checkouts have no ``rollout.dtype``), then ``trl``."""
     result = []
     for label, root in [*args.checkout, ("ours", None)]:
         if "ours" not in args.frameworks:
             continue
-        for source in args.old_log_probs:
-            name = label if source == "rollout" else f"{label}_recompute"
-            result.append(Variant(name, "ours", source, root))
+        for dtype in args.rollout_dtype if root is None else ["float32"]:
+            for source in args.old_log_probs if dtype == "float32" else ["rollout"]:
+                name = label + ("_recompute" if source == "recompute" else "")
+                name += "" if dtype == "float32" else f"_{DTYPE_SUFFIX[dtype]}"
+                result.append(
+                    Variant(name, "ours", source, root, None if dtype == "float32" else dtype)
+                )
     if "trl" in args.frameworks:
         result.append(Variant("trl", "trl"))
     return result
@@ -149,8 +159,8 @@ def run_worker(
         ]
         if variant.framework == "ours":
             command += ["--old-log-probs", variant.old_log_probs]
-            if args.rollout_dtype:
-                command += ["--rollout-dtype", args.rollout_dtype]
+            if variant.rollout_dtype:
+                command += ["--rollout-dtype", variant.rollout_dtype]
         started = time.perf_counter()
         process = subprocess.run(
             command,
@@ -377,9 +387,9 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--rollout-dtype",
-        default=None,
-        choices=("float32", "bfloat16"),
-        help="our embedded engine's dtype (rollout.dtype; default: the trainer's, float32)",
+        default="float32",
+        help="comma-separated dtypes of our embedded engine (rollout.dtype), each a set of our "
+        "columns: float32 (default, the trainer's), bfloat16 (columns ..._bf16)",
     )
     parser.add_argument("--seed", type=int, default=1234, help="model, prompts and run seed")
     parser.add_argument(
@@ -430,6 +440,9 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     unknown = set(args.sizes) - set(SIZES)
     if unknown or not args.sizes:
         parser.error(f"--size: unknown {sorted(unknown)}; choose from {list(SIZES)}")
+    args.rollout_dtype = [s.strip() for s in args.rollout_dtype.split(",") if s.strip()]
+    if set(args.rollout_dtype) - set(DTYPE_SUFFIX) - {"float32"}:
+        parser.error(f"--rollout-dtype: choose among float32, {', '.join(DTYPE_SUFFIX)}")
     args.old_log_probs = [s.strip() for s in args.old_log_probs.split(",") if s.strip()]
     if not args.old_log_probs or set(args.old_log_probs) - set(OLD_LOG_PROBS):
         parser.error(f"--old-log-probs: choose among {OLD_LOG_PROBS}")
@@ -460,7 +473,8 @@ def worker_main(args: argparse.Namespace) -> int:
             job,
             os.getcwd(),
             old_log_probs=args.old_log_probs[0],
-            rollout_dtype=args.rollout_dtype,
+            # float32 is left unset: checkouts older than rollout.dtype have no such key.
+            rollout_dtype=None if args.rollout_dtype == ["float32"] else args.rollout_dtype[0],
         )
     else:
         result = run_trl(job, os.getcwd())
@@ -488,7 +502,6 @@ def run_size(size: str, args: argparse.Namespace) -> dict[str, Any]:
         return {
             "job": job,
             "threads": args.threads,
-            "rollout_dtype": args.rollout_dtype,
             "summary": summarize(runs, job, peaks),
             "peaks": peaks,
             "runs": runs,
