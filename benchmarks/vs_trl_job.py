@@ -138,9 +138,9 @@ def training_flops(
     Per sample of ``P`` prompt and ``R`` response tokens, the model reads ``n = P + R - 1``
     positions (the last token predicts nothing) and scores the ``R`` response positions:
 
-        forward = 2 n L (h (H + 2 G) d + H d h + h E + k 3 h F)    (q, k, v, o, router, top-k experts)
-                + L 4 H d n (n + 1) / 2                            (q k^T and p v over the causal triangle)
-                + 2 R h V                                          (output layer at response positions)
+        forward = 2 n L (h (H + 2 G) d + H d h + h E + k 3 h F)  q, k, v, o, router, top-k experts
+                + L 4 H d n (n + 1) / 2                          q k^T and p v, causal triangle
+                + 2 R h V                                        output layer at the R positions
 
     Embedding lookups, norms, softmax, activations and the loss are left out (as MFU counts).
     """
