@@ -9,11 +9,10 @@ when an upstream change makes it unnecessary or ineffective.
 
 Section numbers are those of ``docs/megatron-cpu.md`` ("The CPU shims"), which says why each
 exists; 2b (the grad-norm fallback) and 5b (``Tensor.cuda()`` when tying embeddings over pipeline
-stages) were found here, as were five for speed alone: 7b (dynamo traces the router's no-op
+stages) were found here, as were four for speed alone: 7b (dynamo traces the router's no-op
 expert-bias update), 11 (the local experts without per-expert modules, ``engine/experts.py``),
-2c (gradient clipping in place), 12 (packed RoPE tables once per micro-batch) and 13 (no
-gradient all-reduce over a data-parallel group of one); benchmarks/README.md, "vs TRL", has
-their measurements.
+12 (packed RoPE tables once per micro-batch) and 13 (no gradient all-reduce over a
+data-parallel group of one); benchmarks/README.md, "vs TRL", has their measurements.
 Shim 9 is not a patch but a norm class used in the local layer spec.
 
 Version differences are guarded here and nowhere else. Each shim (and each part of one, such as a
@@ -316,31 +315,6 @@ def _shim_l2_norm() -> None:
         return norms.pow(2).sum().sqrt().float().reshape(1), None
 
     clip_grads.l2_norm_impl = cpu_multi_tensor_l2_norm
-
-
-# 2c. The grad-clipping fallback without apex/TE.
-def _cpu_multi_tensor_scale(chunk_size: int, noop_flag: Any, tensor_lists: list, scale: float):
-    """``dst = src * scale`` for each pair: in place (one ``_foreach_mul_``) when ``dst`` is
-    ``src``, as gradient clipping calls it; the same products as upstream's loop."""
-    sources, targets = tensor_lists[0], tensor_lists[1]
-    if all(source is target for source, target in zip(sources, targets)):
-        torch._foreach_mul_(list(targets), scale)
-    else:
-        torch._foreach_copy_(list(targets), torch._foreach_mul(list(sources), scale))
-
-
-@_shim(
-    "local_multi_tensor_scale",
-    "megatron.core.utils.local_multi_tensor_scale, bound as optimizer.clip_grads."
-    "multi_tensor_scale_impl without apex/TE (gradient clipping: per tensor, a scaled copy "
-    "then a copy back)",
-)
-def _shim_multi_tensor_scale() -> None:
-    """Gradient clipping scales the gradients in place with one ``_foreach_mul_`` (bit-identical
-    products, no temporary per tensor)."""
-    from megatron.core.optimizer import clip_grads
-
-    clip_grads.multi_tensor_scale_impl = _cpu_multi_tensor_scale
 
 
 # ---------------------------------------------------------------------------------------------

@@ -58,17 +58,29 @@ def build_optimizer(cfg: TrainConfig, model: Sequence[torch.nn.Module]):
 def clip_gradients(optimizer: Any, total_norm: float) -> None:
     """Scale the main gradients by ``min(1, clip_grad / total_norm)``: what Megatron's
     ``ChainedOptimizer.step`` does after computing the global norm a second time (two more
-    all-reduces per sub-optimizer), with the norm the caller already has."""
+    all-reduces per sub-optimizer), with the norm the caller already has.
+
+    On CPU the scaling is one ``_foreach_mul_`` with Megatron's coefficient ``clip_grad /
+    (total_norm + 1e-6)`` (the same products as ``clip_grad_by_total_norm_fp32``, without its
+    per-parameter DTensor, detach and type checks: ~0.4 ms per optimizer step of the tiny model).
+    """
     for sub in sub_optimizers(optimizer):
         parameters = sub.get_parameters()
-        if parameters and sub.config.clip_grad > 0.0:
-            # Looked up at call time: engine/compat.py wraps it on CPU.
-            clip_grads.clip_grad_by_total_norm_fp32(
-                parameters,
-                max_norm=sub.config.clip_grad,
-                total_norm=total_norm,
-                use_decoupled_grad=sub.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8,
-            )
+        if not parameters or sub.config.clip_grad <= 0.0:
+            continue
+        decoupled = sub.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8
+        if not cuda_available() and not decoupled:
+            coefficient = sub.config.clip_grad / (total_norm + 1.0e-6)
+            grads = [p.grad for p in parameters if p.grad is not None]
+            if coefficient < 1.0 and grads:
+                torch._foreach_mul_(grads, coefficient)
+            continue
+        clip_grads.clip_grad_by_total_norm_fp32(
+            parameters,
+            max_norm=sub.config.clip_grad,
+            total_norm=total_norm,
+            use_decoupled_grad=decoupled,
+        )
 
 
 def optimizer_steps_per_run(cfg: TrainConfig) -> int:

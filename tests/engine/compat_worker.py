@@ -112,10 +112,6 @@ def need_probes() -> dict:
             "torch.split(t, seqlens)" in inspect.getsource(rope_utils._apply_rotary_pos_emb_thd)
             and "torch.cos(freqs)" in inspect.getsource(rope_utils._apply_rotary_pos_emb_bshd)
         ),
-        "local_multi_tensor_scale": lambda: (
-            clip_grads.multi_tensor_scale_impl is utils.local_multi_tensor_scale
-            and "dst.copy_(src * scale)" in inspect.getsource(utils.local_multi_tensor_scale)
-        ),
         # The collective runs whatever the group's size.
         "lone_grad_sync": lambda: (
             "torch.distributed.all_reduce(\n"
@@ -198,12 +194,6 @@ def works_checks() -> dict:
                     return False
         return getattr(shimmed, "_cpu_shim", False)
 
-    def scale() -> bool:
-        grads = [torch.randn(5, generator=torch.Generator().manual_seed(i)) for i in range(3)]
-        expected = [grad * 0.3 for grad in grads]
-        clip_grads.multi_tensor_scale_impl(0, None, [grads, grads], 0.3)
-        return all(torch.equal(a, b) for a, b in zip(grads, expected))
-
     return {
         "current_device": lambda: torch.cuda.current_device() == torch.device("cpu"),
         "cuda_allocations": lambda: all(
@@ -251,7 +241,6 @@ def works_checks() -> dict:
         ),
         "batched_experts": lambda: getattr(SequentialMLP.forward, "_cpu_shim", False),
         "thd_rope_tables": rope_tables,
-        "local_multi_tensor_scale": scale,
         # Exactness at dp = 1 (and the collective at dp > 1): tests/engine/test_layouts.py.
         "lone_grad_sync": lambda: getattr(
             _ParamAndGradBucketGroup.start_grad_sync, "_cpu_shim", False
