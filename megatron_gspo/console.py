@@ -3,13 +3,15 @@
 At ``logging.log_level=INFO`` the console shows our messages only. Megatron-Core logs its setup at
 INFO (58 lines of gradient-bucket listings for the CPU demo) and warns at import that Transformer
 Engine and apex are missing and that a CUDA-graph setting is deprecated: expected without a GPU,
-noise otherwise. Those go to the console only at ``DEBUG``. A :class:`ConfigWarning` is printed
+noise otherwise; from 0.17 its own checkpoint save warns that it is deprecated. Those go to the
+console only at ``DEBUG``. A :class:`ConfigWarning` is printed
 once, as a log line.
 """
 
 from __future__ import annotations
 
 import logging
+import re
 import warnings
 from pathlib import Path
 from typing import Any
@@ -25,6 +27,25 @@ KERNEL_LIBRARY_NOTICES = (
 )
 """Warnings Megatron-Core issues on every import without a GPU stack (messages, as regexes)."""
 
+UPSTREAM_LOG_NOTICES = {
+    "megatron.core.dist_checkpointing.strategies.torch": r"MCore's async save is deprecated",
+}
+"""Log lines Megatron-Core writes at WARNING with nothing for a user to act on (logger name:
+message regex): from 0.17 its synchronous checkpoint save goes through the deprecated
+asynchronous path and says so on the first save of every run."""
+
+
+class _UpstreamNoticeFilter(logging.Filter):
+    """Drops one logger's :data:`UPSTREAM_LOG_NOTICES` line (a logger's filters see only the
+    records that logger creates, hence one filter per named logger)."""
+
+    def __init__(self, pattern: str):
+        super().__init__()
+        self.pattern = re.compile(pattern)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not self.pattern.match(record.getMessage())
+
 
 def configure_logging(rank: int, level: str = "INFO") -> None:
     """Log format and levels for this process; may be called again once the level is known.
@@ -39,7 +60,14 @@ def configure_logging(rank: int, level: str = "INFO") -> None:
     effective = level if rank == 0 else "WARNING"
     logging.getLogger().setLevel(effective)
     verbose = logging.getLogger().isEnabledFor(logging.DEBUG)
-    logging.getLogger("megatron").setLevel(logging.NOTSET if verbose else logging.WARNING)
+    megatron = logging.getLogger("megatron")
+    megatron.setLevel(logging.NOTSET if verbose else logging.WARNING)
+    for name, pattern in UPSTREAM_LOG_NOTICES.items():
+        upstream = logging.getLogger(name)
+        for existing in [f for f in upstream.filters if isinstance(f, _UpstreamNoticeFilter)]:
+            upstream.removeFilter(existing)
+        if not verbose:
+            upstream.addFilter(_UpstreamNoticeFilter(pattern))
     for pattern in KERNEL_LIBRARY_NOTICES:
         warnings.filterwarnings("default" if verbose else "ignore", message=pattern)
     _show_config_warnings_as_log_lines(rank)
