@@ -2,7 +2,9 @@
 """Compare GSPO with GRPO (with and without Routing Replay) on one task, seed, data and model.
 
 Each variant is a normal training run (``python -m megatron_gspo.train``, or under the launcher you
-give, e.g. torchrun on many nodes) with the same preset and overrides, plus the variant's own:
+give, e.g. torchrun on many nodes) with the same preset and overrides, plus the variant's own.
+
+The standard suite (``--suite standard``, the default):
 
   gspo        importance_sampling=seq        clip 3e-4 / 4e-4 (GSPO paper, section 5.1)
   gspo_token  importance_sampling=seq_token  clip 3e-4 / 4e-4 (GSPO-token: same value and gradient
@@ -15,11 +17,30 @@ All variants recompute old log-probs (so R2 is possible and the trainer-vs-rollo
 measured) and default to 4 mini-batches per rollout batch (the paper's setting; an update is only
 off-policy, and GSPO only differs from GRPO, with several optimizer steps per rollout batch).
 
+The mismatch suite (``--suite mismatch``): the rollout engine samples in bfloat16
+(``rollout.dtype=bfloat16``) while the trainer computes in fp32, a real training-inference
+mismatch (precision and MoE routes):
+
+  gspo_recompute  GSPO, old log-probs recomputed by the trainer
+  gspo_rollout    GSPO, the engine's log-probs as the old policy (no recompute forward: the GSPO
+                  paper's claim that sequence likelihoods tolerate the engine's precision)
+  grpo_rollout    GRPO, the engine's log-probs as the old policy, no correction (the contrast)
+  grpo_tis        GRPO, recomputed old log-probs, token-level TIS toward the engine's log-probs
+                  (weight min(pi_old / mu, 2))
+  grpo_r2         GRPO + R2 (the trainer's own routes: they differ from the engine's)
+  grpo_r3         GRPO + R3 (the engine's routes: routing_mismatch_vs_rollout is 0)
+
+Regimes (``--regime``): ``demo`` keeps the preset's learning rate (the CPU demo's 3e-3 moves
+the policy so far per optimizer step that GRPO's token ratios leave [0.8, 1.27] for ~10% of
+tokens); ``paper`` lowers it to 1e-3 so that one update moves token ratios little, as in the GSPO
+paper (GRPO clips ~0.1-0.3% of tokens there). ``--quick`` (what CI runs) uses ``paper``.
+
 Writes to --out: one run directory per variant, summary.json, summary.md and PNG plots (reward,
 clip fraction on a log scale, routing change, trainer-vs-rollout log-prob gap).
 
 Examples:
   python tools/compare_grpo_gspo.py --quick --out compare/
+  python tools/compare_grpo_gspo.py --suite mismatch --regime paper --steps 60 --out mismatch/
   python tools/compare_grpo_gspo.py --out compare/ --steps 100 -- model.hf_path=/models/Qwen3-30B-A3B
   python tools/compare_grpo_gspo.py --preset qwen3_30b_a3b_gspo_4node --out /shared/compare \\
       --launcher "torchrun --nnodes 4 --node_rank $NODE_RANK --nproc_per_node 8 \\
@@ -39,31 +60,43 @@ import sys
 import time
 from pathlib import Path
 
-VARIANTS: dict[str, list[str]] = {
-    "gspo": ["algo.importance_sampling=seq", "algo.clip_low=3e-4", "algo.clip_high=4e-4"],
-    "gspo_token": [
-        "algo.importance_sampling=seq_token",
-        "algo.clip_low=3e-4",
-        "algo.clip_high=4e-4",
-    ],
-    "grpo": ["algo.importance_sampling=token", "algo.clip_low=0.2", "algo.clip_high=0.27"],
-    "grpo_r2": [
-        "algo.importance_sampling=token",
-        "algo.clip_low=0.2",
-        "algo.clip_high=0.27",
-        "algo.routing_replay=r2",
-    ],
-    "grpo_r3": [
-        "algo.importance_sampling=token",
-        "algo.clip_low=0.2",
-        "algo.clip_high=0.27",
-        "algo.routing_replay=r3",
-    ],
+GSPO = ["algo.importance_sampling=seq", "algo.clip_low=3e-4", "algo.clip_high=4e-4"]
+GRPO = ["algo.importance_sampling=token", "algo.clip_low=0.2", "algo.clip_high=0.27"]
+RECOMPUTE = ["algo.old_log_prob_source=recompute"]
+ROLLOUT = ["algo.old_log_prob_source=rollout"]
+SUITES: dict[str, dict[str, list[str]]] = {
+    "standard": {
+        "gspo": [*GSPO, *RECOMPUTE],
+        "gspo_token": [
+            "algo.importance_sampling=seq_token",
+            "algo.clip_low=3e-4",
+            "algo.clip_high=4e-4",
+            *RECOMPUTE,
+        ],
+        "grpo": [*GRPO, *RECOMPUTE],
+        "grpo_r2": [*GRPO, *RECOMPUTE, "algo.routing_replay=r2"],
+        "grpo_r3": [*GRPO, *RECOMPUTE, "algo.routing_replay=r3"],
+    },
+    "mismatch": {
+        "gspo_recompute": [*GSPO, *RECOMPUTE],
+        "gspo_rollout": [*GSPO, *ROLLOUT],
+        "grpo_rollout": [*GRPO, *ROLLOUT],
+        "grpo_tis": [*GRPO, *RECOMPUTE, "algo.rollout_correction.level=token"],
+        "grpo_r2": [*GRPO, *RECOMPUTE, "algo.routing_replay=r2"],
+        "grpo_r3": [*GRPO, *RECOMPUTE, "algo.routing_replay=r3"],
+    },
+}
+SUITE_COMMON = {"standard": [], "mismatch": ["rollout.dtype=bfloat16"]}
+REGIMES: dict[str, list[str]] = {
+    "demo": [],
+    # One optimizer step at lr 1e-3 moves the tiny demo's token ratios out of GRPO's [0.8, 1.27]
+    # for ~0.3% of tokens (the GSPO paper's GRPO baseline: ~0.13%), against ~10% at the demo's
+    # 3e-3 (docs/compare_grpo_gspo.md).
+    "paper": ["optim.lr=1e-3"],
 }
 # The tool owns the variant folders under --out: a rerun replaces a variant's previous run
 # (--skip-existing keeps the finished ones instead).
 COMMON = [
-    "algo.old_log_prob_source=recompute",
     "logging.progress_bar=false",
     "overwrite_output_dir=true",
 ]
@@ -84,9 +117,13 @@ MEAN_METRICS = (
     "clip_frac_seq",
     "routing_change_frac",
     "routing_change_frac_vs_rollout",
+    "routing_mismatch_vs_rollout",
     "kl",
     "rollout_kl_k3",
     "rollout_log_prob_abs_diff",
+    "rollout_log_ppl_abs_diff",
+    "seq_log_ratio_abs_mean",
+    "rollout_correction/truncated_frac_token",
 )
 
 
@@ -98,9 +135,24 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     )
     parser.add_argument("--out", required=True, help="output directory (created)")
     parser.add_argument(
+        "--suite",
+        choices=list(SUITES),
+        default="standard",
+        help="standard: GSPO vs GRPO (+R2/R3), fp32 engine; mismatch: a bfloat16 engine, old "
+        "log-probs recomputed vs the engine's, TIS, R2, R3",
+    )
+    parser.add_argument(
         "--variants",
-        default=",".join(VARIANTS),
-        help=f"comma-separated subset of {', '.join(VARIANTS)} (default: all)",
+        default=None,
+        help="comma-separated subset of the suite's variants (default: all); standard: "
+        f"{', '.join(SUITES['standard'])}; mismatch: {', '.join(SUITES['mismatch'])}",
+    )
+    parser.add_argument(
+        "--regime",
+        choices=list(REGIMES),
+        default=None,
+        help="demo: the preset's learning rate; paper: lr 1e-3, one update moves token ratios "
+        "little as in the GSPO paper (default: paper with --quick, else demo)",
     )
     parser.add_argument("--preset", default=None, help="preset name or YAML path for every run")
     parser.add_argument("--steps", type=int, default=None, help="RL steps per variant")
@@ -109,7 +161,7 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
         "--quick",
         action="store_true",
         help="a few minutes on CPU: 6 steps of the tiny demo with 4 prompts x 4 samples "
-        "after a 10-step cold start",
+        "after a 10-step cold start, in the paper regime",
     )
     parser.add_argument(
         "--launcher",
@@ -131,20 +183,27 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     return parser.parse_args(argv), []
 
 
+def regime_of(args: argparse.Namespace) -> str:
+    if args.regime is not None:
+        return args.regime
+    return "paper" if args.quick else "demo"
+
+
 def run_command(args: argparse.Namespace, variant: str, overrides: list[str]) -> list[str]:
     launcher = shlex.split(args.launcher) if args.launcher else [sys.executable]
     command = launcher + ["-m", "megatron_gspo.train"]
     if args.preset:
         command += ["--preset", args.preset]
-    run_overrides = list(COMMON)
+    run_overrides = list(COMMON) + SUITE_COMMON[args.suite]
     if args.quick:
         run_overrides += QUICK
+    run_overrides += REGIMES[regime_of(args)]
     if args.steps is not None:
         run_overrides.append(f"steps={args.steps}")
     if args.seed is not None:
         run_overrides.append(f"seed={args.seed}")
     run_overrides += overrides  # the user's overrides apply to every variant ...
-    run_overrides += VARIANTS[variant]  # ... and the variant's own come last
+    run_overrides += SUITES[args.suite][variant]  # ... and the variant's own come last
     run_overrides.append(f"output_dir={Path(args.out) / variant}")
     return command + run_overrides
 
@@ -185,6 +244,11 @@ def summarize_variant(records: list[dict], wall_time_s: float | None, exit_code:
     for name in MEAN_METRICS:
         values = series(name)
         summary[f"mean_{name}"] = statistics.fmean(values) if values else None
+    prefix = "routing_mismatch_vs_rollout/layer_"
+    layers = sorted({k for r in records for k in r if k.startswith(prefix)})
+    summary["mean_routing_mismatch_vs_rollout_per_layer"] = {
+        name[len(prefix) :]: statistics.fmean(series(name)) for name in layers if series(name)
+    }
     return summary
 
 
@@ -195,7 +259,10 @@ def write_markdown(summary: dict, path: Path) -> None:
         ("mean_clip_frac_token", "clip frac (tokens)"),
         ("mean_clip_frac_seq", "clip frac (seqs)"),
         ("mean_routing_change_frac", "routing change"),
+        ("mean_routing_mismatch_vs_rollout", "experts vs engine"),
         ("mean_rollout_kl_k3", "train-rollout KL"),
+        ("mean_rollout_log_prob_abs_diff", "train-rollout abs dlp"),
+        ("mean_seq_log_ratio_abs_mean", "abs seq log ratio"),
         ("mean_kl", "KL"),
         ("grad_norm_spikes", "grad-norm spikes"),
         ("non_finite_steps", "non-finite steps"),
@@ -223,6 +290,9 @@ def write_markdown(summary: dict, path: Path) -> None:
             f"GSPO clips {ratio:.3g}x the token fraction GRPO clips (the GSPO paper reports "
             "about two orders of magnitude more)."
         )
+    elif summary["variants"].get("grpo", {}).get("mean_clip_frac_token") == 0.0:
+        lines.append("")
+        lines.append("GRPO clipped no token in these steps; GSPO's fraction is in the table.")
     path.write_text("\n".join(lines) + "\n")
 
 
@@ -237,6 +307,12 @@ def plot(runs: dict[str, list[dict]], out: Path) -> list[str]:
         ("clip_frac_token", "clipped token fraction", "clip_fraction.png", True),
         ("routing_change_frac", "routing change fraction", "routing_change.png", False),
         ("rollout_kl_k3", "trainer vs rollout k3 KL", "logprob_gap.png", True),
+        (
+            "routing_mismatch_vs_rollout",
+            "experts used by the trainer vs the engine's",
+            "routing_vs_engine.png",
+            False,
+        ),
     ]
     written = []
     for key, title, filename, log_scale in panels:
@@ -264,9 +340,16 @@ def plot(runs: dict[str, list[dict]], out: Path) -> list[str]:
     return written
 
 
-def summarize(out: Path, variants: list[str], timing: dict[str, tuple]) -> dict:
+def summarize(
+    out: Path,
+    variants: list[str],
+    timing: dict[str, tuple],
+    *,
+    suite: str = "standard",
+    regime: str = "demo",
+) -> dict:
     runs = {variant: read_metrics(out / variant) for variant in variants}
-    summary = {"variants": {}}
+    summary = {"suite": suite, "regime": regime, "variants": {}}
     for variant in variants:
         wall, code = timing.get(variant, (None, None))
         summary["variants"][variant] = summarize_variant(runs[variant], wall, code)
@@ -283,10 +366,16 @@ def summarize(out: Path, variants: list[str], timing: dict[str, tuple]) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     args, overrides = parse_args(sys.argv[1:] if argv is None else argv)
-    variants = [v.strip() for v in args.variants.split(",") if v.strip()]
-    unknown = [v for v in variants if v not in VARIANTS]
+    suite = SUITES[args.suite]
+    variants = (
+        [v.strip() for v in args.variants.split(",") if v.strip()] if args.variants else list(suite)
+    )
+    unknown = [v for v in variants if v not in suite]
     if unknown:
-        print(f"unknown variant(s) {unknown}; known: {', '.join(VARIANTS)}", file=sys.stderr)
+        print(
+            f"unknown variant(s) {unknown} of the {args.suite} suite; known: {', '.join(suite)}",
+            file=sys.stderr,
+        )
         return 2
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -305,7 +394,7 @@ def main(argv: list[str] | None = None) -> int:
         if code != 0:
             failed.append(variant)
             print(f"[compare] {variant} failed with exit code {code}", file=sys.stderr)
-    summary = summarize(out, variants, timing)
+    summary = summarize(out, variants, timing, suite=args.suite, regime=regime_of(args))
     print((out / "summary.md").read_text())
     print(f"[compare] wrote {out / 'summary.json'}, summary.md and {', '.join(summary['plots'])}")
     return 1 if failed else 0

@@ -1,4 +1,6 @@
-"""tools/compare_grpo_gspo.py: --quick runs every variant for real and writes every output file."""
+"""tools/compare_grpo_gspo.py: --quick runs every variant for real and writes every output file;
+in the paper regime GSPO clips at least 10x GRPO's token fraction; the mismatch suite (bf16 engine)
+shows R3 routing exactly as the engine and R2 not."""
 
 from __future__ import annotations
 
@@ -12,15 +14,30 @@ import pytest
 REPO_ROOT = Path(__file__).resolve().parents[2]
 TOOL = REPO_ROOT / "tools" / "compare_grpo_gspo.py"
 VARIANTS = ("gspo", "gspo_token", "grpo", "grpo_r2", "grpo_r3")
-PLOTS = ("reward.png", "clip_fraction.png", "routing_change.png", "logprob_gap.png")
+MISMATCH_VARIANTS = (
+    "gspo_recompute",
+    "gspo_rollout",
+    "grpo_rollout",
+    "grpo_tis",
+    "grpo_r2",
+    "grpo_r3",
+)
+PLOTS = (
+    "reward.png",
+    "clip_fraction.png",
+    "routing_change.png",
+    "logprob_gap.png",
+    "routing_vs_engine.png",
+)
 
 
 def test_help_explains_every_variant():
     result = subprocess.run(
         [sys.executable, str(TOOL), "--help"], capture_output=True, text=True, check=True
     )
-    for variant in VARIANTS:
+    for variant in (*VARIANTS, *MISMATCH_VARIANTS):
         assert variant in result.stdout
+    assert "--suite" in result.stdout and "--regime" in result.stdout
 
 
 @pytest.mark.slow
@@ -35,6 +52,7 @@ def test_quick_mode_writes_every_output(tmp_path):
     )
     assert result.returncode == 0, result.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())
+    assert (summary["suite"], summary["regime"]) == ("standard", "paper")
     assert list(summary["variants"]) == list(VARIANTS)
     for variant, values in summary["variants"].items():
         assert values["steps"] == 2, variant
@@ -49,6 +67,45 @@ def test_quick_mode_writes_every_output(tmp_path):
         data = (out / plot).read_bytes()
         assert data.startswith(b"\x89PNG"), plot
     assert summary["plots"] == list(PLOTS)
+    # The paper regime: one update moves token ratios little, so GRPO's [0.8, 1.27] rarely clips
+    # while GSPO's sequence ratios still leave [1 - 3e-4, 1 + 4e-4] (paper: ~100x).
+    gspo = summary["variants"]["gspo"]["mean_clip_frac_token"]
+    grpo = summary["variants"]["grpo"]["mean_clip_frac_token"]
+    assert gspo > 0 and gspo >= 10 * grpo, (gspo, grpo)
+
+
+@pytest.mark.slow
+def test_mismatch_suite_r3_routes_as_the_engine(tmp_path):
+    """bf16 engine, one step: R3's training forward uses the engine's experts on every replayed
+    layer, R2's (the trainer's own routes) does not; GSPO trains on the engine's log-probs.
+
+    Without the cold start: after 10 supervised steps the tiny model's routers are decisive
+    enough that no route of these 16 samples flips between bf16 and fp32 (R2 then equals R3);
+    from the random initialisation ~0.6% of (token, layer) pairs do."""
+    out = tmp_path / "mismatch"
+    variants = ("grpo_r2", "grpo_r3", "gspo_rollout")
+    result = subprocess.run(
+        [
+            sys.executable, str(TOOL), "--suite", "mismatch", "--quick", "--steps", "1",
+            "--variants", ",".join(variants), "--out", str(out), "--", "sft_warmup_steps=0",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        cwd=REPO_ROOT,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["suite"] == "mismatch"
+    r2, r3 = summary["variants"]["grpo_r2"], summary["variants"]["grpo_r3"]
+    assert r3["mean_routing_mismatch_vs_rollout"] == 0.0
+    layers = r3["mean_routing_mismatch_vs_rollout_per_layer"]
+    assert layers and all(value == 0.0 for value in layers.values()), layers
+    assert r2["mean_routing_mismatch_vs_rollout"] > 0.0
+    assert r3["mean_rollout_log_prob_abs_diff"] < r2["mean_rollout_log_prob_abs_diff"]
+    gspo = summary["variants"]["gspo_rollout"]
+    assert gspo["exit_code"] == 0 and gspo["steps"] == 1
+    assert gspo["mean_seq_log_ratio_abs_mean"] > 0  # the engine's bf16 likelihoods as pi_old
 
 
 def test_unknown_variant_is_refused(tmp_path):
@@ -59,3 +116,18 @@ def test_unknown_variant_is_refused(tmp_path):
     )
     assert result.returncode == 2
     assert "ppo" in result.stderr and "gspo_token" in result.stderr
+    result = subprocess.run(
+        [
+            sys.executable,
+            str(TOOL),
+            "--suite",
+            "mismatch",
+            "--variants",
+            "gspo",
+            "--out",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+    )
+    assert result.returncode == 2 and "gspo_rollout" in result.stderr
