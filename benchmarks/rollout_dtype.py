@@ -15,7 +15,7 @@ model (the CPU demo's hidden 64) is bound by per-op overhead, where bf16 only ad
 
 Usage (from the repository root)::
 
-    python benchmarks/rollout_dtype.py                  # the table
+    python benchmarks/rollout_dtype.py                  # the table (fp32, bf16, bf16 before)
     python benchmarks/rollout_dtype.py --json           # one JSON object
     python benchmarks/rollout_dtype.py --hidden 64 --ffn 48 --heads 4 --kv-heads 2 --vocab 64
 """
@@ -51,7 +51,13 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser.add_argument("--new", type=int, default=32, help="generated tokens per request")
     parser.add_argument("--repeats", type=int, default=5, help="timed runs per dtype")
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--dtypes", default="float32,bfloat16")
+    parser.add_argument(
+        "--dtypes",
+        default="float32,bfloat16,bfloat16-before",
+        help="bfloat16-before: the bf16 engine through transformers' *ForCausalLM forward, whose "
+        "output layer on a prefill's strided last-position slice copies the weight once per row "
+        "in bf16 (the path before EmbeddedEngine._reduced_precision_logits)",
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object, no table")
     return parser.parse_args(argv)
 
@@ -78,9 +84,12 @@ def run(args: argparse.Namespace) -> dict:
     torch.set_flush_denormal(True)
     config = model_config(args)
     dtypes = args.dtypes.split(",")
-    engines = {
-        dtype: EmbeddedEngine(config, seed=0, dtype=getattr(torch, dtype)) for dtype in dtypes
-    }
+    engines = {}
+    for name in dtypes:
+        engine = EmbeddedEngine(config, seed=0, dtype=getattr(torch, name.split("-")[0]))
+        if name.endswith("-before"):
+            engine.reduced_precision = False  # the transformers forward, as before the fix
+        engines[name] = engine
     weights = [(name, tensor.clone()) for name, tensor in engines[dtypes[0]].hf_state()]
     for engine in engines.values():
         engine.sync_weights(iter(weights), version=1)
