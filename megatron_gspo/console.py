@@ -16,6 +16,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+from megatron_gspo.checkpoint_files import checkpoint_root, latest_checkpoint
 from megatron_gspo.config import ConfigWarning, TrainConfig
 
 logger = logging.getLogger("megatron_gspo")
@@ -101,8 +102,8 @@ def describe_outputs(cfg: TrainConfig) -> str:
         sinks.append(f"TensorBoard {root / 'tensorboard'}")
     if cfg.checkpoint.interval:
         sinks.append(
-            f"checkpoints {root / 'checkpoints'} (every {cfg.checkpoint.interval} steps, "
-            f"keeping {cfg.checkpoint.keep_last})"
+            f"checkpoints {checkpoint_root(cfg.output_dir)} "
+            f"(every {cfg.checkpoint.interval} steps, keeping {cfg.checkpoint.keep_last})"
         )
     else:
         sinks.append("no checkpoints (checkpoint.interval=0)")
@@ -123,9 +124,9 @@ def summarize(records: list[dict[str, Any]], cfg: TrainConfig, seconds: float) -
         f"  metrics:     {root / 'metrics.jsonl'}"
         + (f"  (TensorBoard: {root / 'tensorboard'})" if cfg.logging.tensorboard else ""),
     ]
-    latest = root / "checkpoints" / "latest"
-    if latest.is_file():
-        lines.append(f"  checkpoints: {root / 'checkpoints' / latest.read_text().strip()} (latest)")
+    latest = latest_checkpoint(checkpoint_root(cfg.output_dir))
+    if latest is not None:
+        lines.append(f"  checkpoints: {latest} (latest)")
     else:
         lines.append("  checkpoints: none (checkpoint.interval=0)")
     return "\n".join(lines)

@@ -28,6 +28,7 @@ import shutil
 from collections.abc import Callable
 from pathlib import Path
 
+from megatron_gspo.checkpoint_files import checkpoint_root
 from megatron_gspo.config import ConfigError, TrainConfig
 
 logger = logging.getLogger(__name__)
@@ -78,7 +79,7 @@ def previous_run_outputs(output_dir: str) -> list[Path]:
     metrics = root / "metrics.jsonl"
     if metrics.is_file() and metrics.stat().st_size > 0:
         found.append(metrics)
-    checkpoints = root / "checkpoints"
+    checkpoints = Path(checkpoint_root(output_dir))
     if checkpoints.is_dir() and any(checkpoints.glob("step_*")):
         found.append(checkpoints)
     if found and (root / "tensorboard").is_dir():

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Optional
 
 from megatron_gspo.algo import RunningMoments
+from megatron_gspo.checkpoint_files import checkpoint_root
 from megatron_gspo.config import TrainConfig
 
 if TYPE_CHECKING:
@@ -71,17 +71,13 @@ def initial_weights_loader(cfg: TrainConfig) -> Optional[Callable[[list[PolicyMo
     return None
 
 
-def checkpoint_root(cfg: TrainConfig) -> str:
-    return os.path.join(cfg.output_dir, "checkpoints")
-
-
 def save_checkpoint(engine: TrainEngine, cfg: TrainConfig, run_state: dict) -> str:
     """Collective: a checkpoint of step ``run_state["step"]`` (see ``engine/checkpoint.py``)."""
     from megatron_gspo.engine.checkpoint import save_checkpoint as save
 
     return save(
         engine,
-        checkpoint_root(cfg),
+        checkpoint_root(cfg.output_dir),
         run_state["step"],
         run_state,
         keep_last=cfg.checkpoint.keep_last,
@@ -92,11 +88,10 @@ def resume_checkpoint(engine: TrainEngine, cfg: TrainConfig) -> Optional[dict]:
     """The run state of the latest whole checkpoint in ``output_dir`` (None: start fresh)."""
     from megatron_gspo.engine.checkpoint import load_checkpoint, resumable_checkpoint
 
-    path = resumable_checkpoint(checkpoint_root(cfg))  # a damaged newest one: the one before
+    root = checkpoint_root(cfg.output_dir)
+    path = resumable_checkpoint(root)  # a damaged newest one: the one before
     if path is None:
-        logger.warning(
-            "resume=true but %s holds no checkpoint: starting fresh", checkpoint_root(cfg)
-        )
+        logger.warning("resume=true but %s holds no checkpoint: starting fresh", root)
         return None
     logger.info("resuming from %s", path)
     # A longer run (more steps) changes the decay horizon of a decaying schedule, which would

@@ -27,6 +27,7 @@ import time
 
 import yaml
 
+from megatron_gspo.checkpoint_files import CheckpointError, checkpoint_root, latest_checkpoint
 from megatron_gspo.config import ConfigError, to_dict
 from megatron_gspo.config_loader import load_config, overrides_from_env
 from megatron_gspo.console import configure_logging, describe_outputs, summarize
@@ -111,7 +112,6 @@ def main(argv: list[str] | None = None) -> int:
         prepare_output_dir(config)
         logger.info("%s", describe_outputs(config))
 
-    from megatron_gspo.engine.optimizer_state import CheckpointError
     from megatron_gspo.loop import run
 
     exit_with_agent(rank)
@@ -144,13 +144,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def interrupted_message(config, args: argparse.Namespace) -> str:
     """What to do after Ctrl-C: the command that resumes the run, or why there is none."""
-    checkpoints = os.path.join(config.output_dir, "checkpoints")
-    saved = sorted(
-        name
-        for name in (os.listdir(checkpoints) if os.path.isdir(checkpoints) else [])
-        if os.path.isfile(os.path.join(checkpoints, name, "checkpoint.json"))
-    )
-    if not saved:
+    latest = latest_checkpoint(checkpoint_root(config.output_dir))
+    if latest is None:
         return (
             f"interrupted before any checkpoint was saved (checkpoint.interval="
             f"{config.checkpoint.interval}), so the run cannot be resumed; start it again with "
@@ -161,7 +156,7 @@ def interrupted_message(config, args: argparse.Namespace) -> str:
         words = ["--preset", args.preset, *words]
     command = shlex.join(["python", "-m", "megatron_gspo.train", *words, "resume=true"])
     return (
-        f"interrupted; the latest checkpoint is {os.path.join(checkpoints, saved[-1])}. Resume "
+        f"interrupted; the latest checkpoint is {latest}. Resume "
         f"with:\n  {command}\n(under torchrun: the same torchrun command with resume=true)"
     )
 

@@ -13,13 +13,13 @@ from __future__ import annotations
 import json
 import logging
 import os
-import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import torch
 
+from megatron_gspo.checkpoint_files import MARKER, latest_checkpoint
 from megatron_gspo.config import ModelConfig
 from megatron_gspo.convert.hf_config import hf_config_dict, read_hf_config
 from megatron_gspo.convert.mapping import (
@@ -209,33 +209,13 @@ def save_hf_checkpoint(
     return summary
 
 
-CHECKPOINT_MARKER = "checkpoint.json"
-"""Written by :func:`megatron_gspo.engine.checkpoint.save_checkpoint` next to the torch_dist
-files; its ``model`` entry is the run's model config."""
-
-
 def resolve_checkpoint_dir(path: str) -> str:
     """A torch_dist directory from ``path``: the directory itself (it holds ``.metadata``), or a
-    run's checkpoint root (the step that ``latest`` names, else the newest complete
-    ``step_*``)."""
+    run's checkpoint root (the checkpoint a resume would take: see
+    :func:`megatron_gspo.checkpoint_files.latest_checkpoint`)."""
     if os.path.isfile(os.path.join(path, ".metadata")):
         return path
-    latest = os.path.join(path, "latest")
-    if os.path.isfile(latest):
-        with open(latest, encoding="utf-8") as file:
-            named = os.path.join(path, file.read().strip())
-        if os.path.isfile(os.path.join(named, CHECKPOINT_MARKER)):
-            return named
-    if os.path.isdir(path):
-        steps = sorted(
-            entry
-            for entry in os.listdir(path)
-            if re.fullmatch(r"step_\d+", entry)
-            and os.path.isfile(os.path.join(path, entry, CHECKPOINT_MARKER))
-        )
-        if steps:
-            return os.path.join(path, steps[-1])
-    return path  # read_dcp_metadata explains what is missing
+    return latest_checkpoint(path) or path  # read_dcp_metadata explains what is missing
 
 
 def model_config_for_export(
@@ -258,8 +238,8 @@ def model_config_for_export(
     if config_file:
         data = _load_structured(config_file)
         section = data.get("model", data) if isinstance(data, dict) else data
-    elif checkpoint_dir and os.path.isfile(os.path.join(checkpoint_dir, CHECKPOINT_MARKER)):
-        with open(os.path.join(checkpoint_dir, CHECKPOINT_MARKER), encoding="utf-8") as file:
+    elif checkpoint_dir and os.path.isfile(os.path.join(checkpoint_dir, MARKER)):
+        with open(os.path.join(checkpoint_dir, MARKER), encoding="utf-8") as file:
             section = json.load(file).get("model")
     if section is not None:
         model = from_dict(ModelConfig, section, prefix="model.")

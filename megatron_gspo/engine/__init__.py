@@ -51,7 +51,6 @@ _EXPORTS = {
     "vocab_parallel_log_probs": "logprobs",
     "save_checkpoint": "checkpoint",
     "load_checkpoint": "checkpoint",
-    "latest_checkpoint": "checkpoint",
     "load_weights_only": "checkpoint",
     "CheckpointError": "checkpoint",
     "PolicyRouting": "routing_replay",

@@ -2,19 +2,9 @@
 
 A checkpoint holds the policy weights (each chunk's ``sharded_state_dict``), the optimizer state,
 the learning-rate schedule, every rank's RNG states, the engine's step counters and an
-``extra_state`` dict from the caller (data position, reward running moments: plain JSON data)::
-
-    root_dir/
-      latest                   "step_000010": the newest complete checkpoint (atomic replace)
-      step_000010/
-        checkpoint.json        metadata + extra_state; written LAST, so it marks completion
-        .metadata *.distcp     torch_dist (PyTorch DCP) shards of every rank
-        common.pt metadata.json
-      step_000020.tmp-<uuid>/  a save in progress, or an interrupted one: never loaded,
-                               deleted by the next save (as is a step dir without the marker)
-
-Atomicity: every rank writes into the ``.tmp-<uuid>`` directory; only after all of them have
-finished does rank 0 write ``checkpoint.json``, rename the directory and replace ``latest``.
+``extra_state`` dict from the caller (data position, reward running moments: plain JSON data).
+The folder it lives in, how a save becomes complete atomically and how a damaged one is found:
+:mod:`megatron_gspo.checkpoint_files`.
 
 Optimizer state: one layout-independent format, written and read by
 :mod:`megatron_gspo.engine.optimizer_state` (why not Megatron's own: see there), so a checkpoint
@@ -33,11 +23,7 @@ import logging
 import multiprocessing
 import os
 import random
-import re
-import shutil
 import time
-import uuid
-import zipfile
 from collections.abc import Sequence
 from typing import Any, Optional
 
@@ -47,10 +33,19 @@ import torch.distributed as dist
 from megatron.core import dist_checkpointing, tensor_parallel
 from megatron.core.dist_checkpointing.mapping import ShardedObject
 
+from megatron_gspo.checkpoint_files import (
+    FORMAT,
+    CheckpointError,
+    new_save_directory,
+    publish_checkpoint,
+    read_checkpoint_metadata,
+    resolve_checkpoint,
+    step_directory,
+    whole_checkpoint,
+)
 from megatron_gspo.config import to_dict
 from megatron_gspo.engine.compat import MEGATRON_CORE_VERSION, cuda_available
 from megatron_gspo.engine.optimizer_state import (
-    CheckpointError,
     apply_optimizer_state,
     optimizer_load_request,
     optimizer_sharded_state,
@@ -59,11 +54,6 @@ from megatron_gspo.lifetime import die_with_parent
 
 logger = logging.getLogger(__name__)
 
-FORMAT = "megatron_gspo.checkpoint/1"
-MARKER = "checkpoint.json"
-LATEST = "latest"
-_STEP_DIR = re.compile(r"^step_(\d+)$")
-_TMP_DIR = re.compile(r"^step_(\d+)\.(tmp|old)-[0-9a-f]+$")
 _UNCHECKED_MODEL_FIELDS = {
     "hf_path",
     "init_std",
@@ -74,224 +64,6 @@ _UNCHECKED_MODEL_FIELDS = {
 }
 """Model config fields that may differ between a checkpoint and the run that loads it (they
 change neither the tensors stored nor the function they compute)."""
-
-
-# ---------------------------------------------------------------------------------------------
-# Directory layout
-# ---------------------------------------------------------------------------------------------
-
-
-def checkpoint_root(cfg: Any) -> str:
-    """``<output_dir>/checkpoints``: where a run's checkpoints live."""
-    return os.path.join(cfg.output_dir, "checkpoints")
-
-
-def _complete_checkpoints(root_dir: str) -> list[tuple[int, str]]:
-    """``(step, path)`` of the complete checkpoints under ``root_dir``, oldest first."""
-    if not os.path.isdir(root_dir):
-        return []
-    found = []
-    for name in os.listdir(root_dir):
-        match = _STEP_DIR.match(name)
-        path = os.path.join(root_dir, name)
-        if match and os.path.isfile(os.path.join(path, MARKER)):
-            found.append((int(match.group(1)), path))
-    return sorted(found)
-
-
-def latest_checkpoint(root_dir: str) -> Optional[str]:
-    """Path of the checkpoint to resume from under ``root_dir``: the one ``latest`` names (it
-    may be edited to rewind a run), or the highest complete step when ``latest`` is missing or
-    names no complete checkpoint; None when there is none. Only complete checkpoints (with
-    ``checkpoint.json``) are ever returned."""
-    complete = _complete_checkpoints(root_dir)
-    if not complete:
-        return None
-    try:
-        with open(os.path.join(root_dir, LATEST)) as handle:
-            name = handle.read().strip()
-    except FileNotFoundError:
-        name = ""
-    named = os.path.join(root_dir, name)
-    if name and any(path == named for _, path in complete):
-        return named
-    if name:
-        logger.warning(
-            "%s/latest names %r, which is not complete; using the newest", root_dir, name
-        )
-    return complete[-1][1]
-
-
-def damaged_files(path: str) -> list[str]:
-    """What is missing or cut short in the checkpoint directory ``path`` (empty when it looks
-    whole), one line per file.
-
-    A save that completed can still be damaged afterwards: a full disk or quota while copying it,
-    a file truncated by a crashed sync. Loading such a checkpoint fails deep inside PyTorch's
-    reader (a bare ``EOFError``), so its files are checked first, without reading the tensors:
-    every shard file (``*.distcp``) must be as long as the byte ranges the index (``.metadata``)
-    assigns to it, ``common.pt`` must be a complete torch (zip) file and the JSON files must
-    parse.
-    """
-    from torch.distributed.checkpoint import FileSystemReader
-
-    problems = []
-    try:
-        index = FileSystemReader(path).read_metadata()
-    except Exception as error:  # truncated or missing: pickle, EOF, OS errors
-        return [f"{os.path.join(path, '.metadata')}: unreadable ({type(error).__name__}: {error})"]
-    needed: dict[str, int] = {}
-    for item in index.storage_data.values():
-        needed[item.relative_path] = max(
-            needed.get(item.relative_path, 0), item.offset + item.length
-        )
-    for name, size in sorted(needed.items()):
-        file = os.path.join(path, name)
-        if not os.path.isfile(file):
-            problems.append(f"{file}: missing")
-        elif os.path.getsize(file) < size:
-            problems.append(
-                f"{file}: {os.path.getsize(file)} bytes, the index needs {size} (truncated)"
-            )
-    common = os.path.join(path, "common.pt")
-    if os.path.exists(common) and not zipfile.is_zipfile(common):
-        problems.append(f"{common}: not a complete torch file (truncated)")
-    for name in (MARKER, "metadata.json"):
-        file = os.path.join(path, name)
-        try:
-            with open(file) as handle:
-                json.load(handle)
-        except (OSError, ValueError) as error:
-            problems.append(f"{file}: unreadable ({type(error).__name__}: {error})")
-    return problems
-
-
-def resumable_checkpoint(root_dir: str) -> Optional[str]:
-    """The checkpoint a resume loads: :func:`latest_checkpoint`, or, when its files are damaged
-    (:func:`damaged_files`), the newest older complete one that is whole, with a warning that
-    names the damaged files. None when ``root_dir`` holds no complete checkpoint; a
-    :class:`CheckpointError` when every one is damaged. Collective when torch.distributed is
-    initialised (rank 0 decides for all)."""
-    if dist.is_initialized():
-        return _on_rank_zero(_first_whole_checkpoint, root_dir)
-    return _first_whole_checkpoint(root_dir)
-
-
-def _first_whole_checkpoint(root_dir: str) -> Optional[str]:
-    preferred = latest_checkpoint(root_dir)
-    if preferred is None:
-        return None
-    steps = dict((path, step) for step, path in _complete_checkpoints(root_dir))
-    older = [
-        path for step, path in reversed(_complete_checkpoints(root_dir)) if step < steps[preferred]
-    ]
-    damaged = []
-    for path in [preferred, *older]:
-        problems = damaged_files(path)
-        if not problems:
-            if damaged:
-                logger.warning(
-                    "resuming from %s instead of the newer %s: %s",
-                    path,
-                    ", ".join(os.path.basename(p) for p, _ in damaged),
-                    "; ".join(problem for _, found in damaged for problem in found),
-                )
-            return path
-        logger.warning("checkpoint %s is damaged: %s", path, "; ".join(problems))
-        damaged.append((path, problems))
-    raise CheckpointError(
-        f"every complete checkpoint in {root_dir} is damaged: "
-        + "; ".join(problem for _, found in damaged for problem in found),
-        "a damaged checkpoint cannot be loaded (its files are shorter than its index says)",
-        "restore the files from a copy, or start a fresh run (resume=false with "
-        "overwrite_output_dir=true, or another output_dir)",
-    )
-
-
-def read_checkpoint_metadata(path: str) -> dict:
-    """The ``checkpoint.json`` of a complete checkpoint directory."""
-    marker = os.path.join(path, MARKER)
-    if not os.path.isfile(marker):
-        raise CheckpointError(
-            f"{path} is not a complete megatron_gspo checkpoint (no {MARKER})",
-            "the completion marker is written only after every rank finished saving",
-            "pass a step_XXXXXX directory written by save_checkpoint, or its root directory",
-        )
-    with open(marker) as handle:
-        metadata = json.load(handle)
-    if metadata.get("format") != FORMAT:
-        raise CheckpointError(
-            f"{marker} has format {metadata.get('format')!r}, expected {FORMAT!r}",
-            "the metadata layout differs between checkpoint format versions",
-            "load it with the megatron_gspo version that wrote it",
-        )
-    return metadata
-
-
-def _resolve(path: str) -> str:
-    """A checkpoint directory, or a root directory holding step_* checkpoints (-> the latest)."""
-    if _TMP_DIR.match(os.path.basename(os.path.normpath(path))):
-        raise CheckpointError(
-            f"{path} is an incomplete (interrupted or in-progress) save",
-            "only directories renamed to step_XXXXXX after every rank finished are complete",
-            "pass the checkpoint root or a complete step_XXXXXX directory",
-        )
-    if os.path.isfile(os.path.join(path, MARKER)) or os.path.isfile(
-        os.path.join(path, "metadata.json")
-    ):
-        return path
-    if _STEP_DIR.match(os.path.basename(os.path.normpath(path))):
-        raise CheckpointError(
-            f"{path} is not a complete checkpoint (no {MARKER})",
-            "the save that created it was interrupted before every rank finished",
-            "pass the checkpoint root (its latest complete checkpoint is used) or another step",
-        )
-    latest = latest_checkpoint(path)
-    if latest is None:
-        raise CheckpointError(
-            f"no checkpoint at {path}",
-            "it is neither a torch_dist checkpoint directory nor a root holding complete "
-            "step_* checkpoints",
-            "check the path (checkpoint.load_path / output_dir)",
-        )
-    return latest
-
-
-def _write_atomically(path: str, text: str) -> None:
-    temporary = f"{path}.tmp-{uuid.uuid4().hex}"
-    with open(temporary, "w") as handle:
-        handle.write(text)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(temporary, path)
-
-
-def _fsync_directory(path: str) -> None:
-    descriptor = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(descriptor)
-    finally:
-        os.close(descriptor)
-
-
-def _remove_stale(root_dir: str) -> None:
-    """Delete what interrupted saves left: ``.tmp-``/``.old-`` dirs, step dirs without marker."""
-    for name in os.listdir(root_dir):
-        path = os.path.join(root_dir, name)
-        stale = _TMP_DIR.match(name) or (
-            _STEP_DIR.match(name) and not os.path.isfile(os.path.join(path, MARKER))
-        )
-        if stale and os.path.isdir(path):
-            logger.warning("removing incomplete checkpoint %s", path)
-            shutil.rmtree(path, ignore_errors=True)
-
-
-def _prune(root_dir: str, keep_last: int, keep: str) -> None:
-    complete = [path for _, path in _complete_checkpoints(root_dir)]
-    for path in complete[: max(0, len(complete) - keep_last)]:
-        if path != keep:
-            logger.info("removing old checkpoint %s (checkpoint.keep_last=%d)", path, keep_last)
-            shutil.rmtree(path, ignore_errors=True)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -325,6 +97,15 @@ def _on_rank_zero(function, *args) -> Any:
     if status == "error":
         raise value
     return value
+
+
+def resumable_checkpoint(root_dir: str) -> Optional[str]:
+    """The checkpoint a resume loads: :func:`~megatron_gspo.checkpoint_files.whole_checkpoint`
+    (the latest, or the newest older whole one when its files are damaged). Collective when
+    torch.distributed is initialised (rank 0 decides for all)."""
+    if dist.is_initialized():
+        return _on_rank_zero(whole_checkpoint, root_dir)
+    return whole_checkpoint(root_dir)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -373,7 +154,7 @@ def load_weights_only(chunks: Sequence[torch.nn.Module], path: str) -> None:
     checkpoints (its latest is used) or a ``hf-to-megatron`` torch_dist directory. Optimizer
     state, schedule and RNG are left alone; with a bf16 model call the optimizer's
     ``reload_model_params()`` afterwards if it already exists."""
-    path = _resolve(path)
+    path = resolve_checkpoint(path)
     loaded = _load(_model_sharded_state(chunks), path)
     _apply_model_state(chunks, loaded)
     logger.info("loaded weights from %s", path)
@@ -521,23 +302,6 @@ def _json_round_trip(extra_state: dict) -> dict:
     return extra_state
 
 
-def _finalize(temporary: str, final: str, root_dir: str, metadata: dict, keep_last: int) -> None:
-    """Rank 0, after every rank wrote its shards: marker, rename, ``latest``, prune."""
-    _write_atomically(os.path.join(temporary, MARKER), json.dumps(metadata, indent=1))
-    _fsync_directory(temporary)
-    previous = None
-    if os.path.exists(final):  # the same step saved again (e.g. after a resume)
-        previous = f"{final}.old-{uuid.uuid4().hex}"
-        os.replace(final, previous)
-    os.replace(temporary, final)
-    _fsync_directory(root_dir)
-    _write_atomically(os.path.join(root_dir, LATEST), os.path.basename(final) + "\n")
-    _fsync_directory(root_dir)
-    if previous is not None:
-        shutil.rmtree(previous, ignore_errors=True)
-    _prune(root_dir, keep_last, keep=final)
-
-
 def save_checkpoint(
     engine: Any,
     root_dir: str,
@@ -553,8 +317,7 @@ def save_checkpoint(
     every rank."""
     started = time.perf_counter()
     keep_last = engine.cfg.checkpoint.keep_last if keep_last is None else keep_last
-    name = f"step_{step:06d}"
-    final = os.path.join(root_dir, name)
+    final = step_directory(root_dir, step)
     error = None
     try:
         extra_state = _json_round_trip(dict(extra_state or {}))
@@ -562,14 +325,7 @@ def save_checkpoint(
         error = caught
     _raise_if_any_rank_failed(error)
 
-    def prepare() -> str:
-        os.makedirs(root_dir, exist_ok=True)
-        _remove_stale(root_dir)
-        temporary = os.path.join(root_dir, f"{name}.tmp-{uuid.uuid4().hex}")
-        os.makedirs(temporary)
-        return temporary
-
-    temporary = _on_rank_zero(prepare)
+    temporary = _on_rank_zero(new_save_directory, root_dir, step)
     model = _model_sharded_state(engine.model)
     optimizer_tensors, optimizer_metadata = optimizer_sharded_state(engine.optimizer, model)
     sharded = {**model, "rng_state": _rng_sharded(_rng_state())}
@@ -596,7 +352,7 @@ def save_checkpoint(
         },
         "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
-    _on_rank_zero(_finalize, temporary, final, root_dir, metadata, keep_last)
+    _on_rank_zero(publish_checkpoint, temporary, final, root_dir, metadata, keep_last)
     logger.info("saved checkpoint %s in %.1f s", final, time.perf_counter() - started)
     return final
 
@@ -618,7 +374,7 @@ def load_checkpoint(
     """
     error, metadata = None, None
     try:
-        path = _resolve(path)
+        path = resolve_checkpoint(path)
         metadata = read_checkpoint_metadata(path)
         _check_model(engine, metadata["model"])
         if load_optimizer:
@@ -677,10 +433,3 @@ def load_checkpoint(
         )
     logger.info("resumed from %s (step %d)", path, metadata["step"])
     return metadata["extra_state"]
-
-
-def load_latest_checkpoint(engine: Any) -> Optional[dict]:
-    """``extra_state`` of the latest whole checkpoint in ``<output_dir>/checkpoints`` after
-    restoring it into ``engine``, or None when there is none (a fresh run)."""
-    path = resumable_checkpoint(checkpoint_root(engine.cfg))
-    return None if path is None else load_checkpoint(engine, path)

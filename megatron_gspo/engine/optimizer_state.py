@@ -46,17 +46,7 @@ from megatron.core.dist_checkpointing.optimizer import make_sharded_optimizer_te
 from megatron.core.dist_checkpointing.utils import extract_sharded_tensors_and_factories
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
-
-class CheckpointError(RuntimeError):
-    """A checkpoint that cannot be written or loaded as asked; says what, why and how to fix."""
-
-    def __init__(self, what: str, why: str, fix: str):
-        # The three parts as args: the error pickles (it is broadcast from rank 0 to all ranks).
-        super().__init__(what, why, fix)
-        self.what, self.why, self.fix = what, why, fix
-
-    def __str__(self) -> str:
-        return f"{self.what}\n  why: {self.why}\n  fix: {self.fix}"
+from megatron_gspo.checkpoint_files import CheckpointError
 
 
 @dataclass

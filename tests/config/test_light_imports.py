@@ -1,6 +1,6 @@
 """The seams a newcomer crosses are typed without importing Megatron: ``--cfg`` and the loop's
-modules (driver, policy stages, run setup, metrics) load no ``megatron`` package; the training
-engine's type is imported only under ``TYPE_CHECKING``."""
+modules (driver, policy stages, run setup, metrics, the checkpoint folder, the converter) load
+no ``megatron`` package; the training engine's type is imported only under ``TYPE_CHECKING``."""
 
 from __future__ import annotations
 
@@ -44,6 +44,7 @@ def test_cfg_does_not_import_megatron():
 def test_loop_modules_do_not_import_megatron():
     loaded = _megatron_modules_after(
         "import megatron_gspo.loop, megatron_gspo.driver, megatron_gspo.policy_stages\n"
-        "import megatron_gspo.run_setup, megatron_gspo.metrics, megatron_gspo.routes"
+        "import megatron_gspo.run_setup, megatron_gspo.metrics, megatron_gspo.routes\n"
+        "import megatron_gspo.checkpoint_files, megatron_gspo.convert.export"
     )
     assert loaded == []

@@ -12,7 +12,7 @@ import re
 
 import pytest
 
-from megatron_gspo.engine.optimizer_state import CheckpointError
+from megatron_gspo.checkpoint_files import CheckpointError
 
 from .harness import (
     LAYOUT_DEPENDENT,
@@ -76,7 +76,8 @@ def test_damaged_newest_checkpoint_falls_back_to_the_one_before(gspo_run, tmp_pa
     """A shard file of the newest checkpoint cut short (a full disk while copying it): the resume
     names the file, warns, and continues from the previous complete checkpoint, reproducing the
     uninterrupted run from there."""
-    from megatron_gspo.engine.checkpoint import damaged_files, resumable_checkpoint
+    from megatron_gspo.checkpoint_files import damaged_files
+    from megatron_gspo.engine.checkpoint import resumable_checkpoint
 
     output_dir = tmp_path / "out"
     overrides = [*TINY, "checkpoint.interval=1"]

@@ -226,6 +226,7 @@ def rng_and_directory_checks(run: Run, out: Path) -> None:
     import torch
     from megatron.core import dist_checkpointing, tensor_parallel
 
+    from megatron_gspo.checkpoint_files import latest_checkpoint, read_checkpoint_metadata
     from megatron_gspo.engine import checkpoint as ckpt
 
     root = out / "directories"
@@ -260,7 +261,7 @@ def rng_and_directory_checks(run: Run, out: Path) -> None:
     (root / "step_000007.tmp-0123abcd").mkdir()
     (root / "step_000007.tmp-0123abcd" / "__0_0.distcp").write_bytes(b"partial")
     (root / "step_000009").mkdir()
-    run.record("dirs/latest_ignores_incomplete", ckpt.latest_checkpoint(str(root)) == first)
+    run.record("dirs/latest_ignores_incomplete", latest_checkpoint(str(root)) == first)
     try:
         ckpt.load_checkpoint(engine, str(root / "step_000009"))
         run.record("dirs/incomplete_refused", False)
@@ -274,11 +275,11 @@ def rng_and_directory_checks(run: Run, out: Path) -> None:
     names = sorted(os.listdir(root))
     run.record("dirs/pruned_to_keep_last", names == ["latest", "step_000002", "step_000003"])
     run.record("dirs/latest_file", (root / "latest").read_text().strip() == "step_000003")
-    run.record("dirs/latest", ckpt.latest_checkpoint(str(root)) == third)
+    run.record("dirs/latest", latest_checkpoint(str(root)) == third)
     (root / "latest").write_text("step_000042\n")  # names a directory that does not exist
-    run.record("dirs/latest_fallback", ckpt.latest_checkpoint(str(root)) == third)
+    run.record("dirs/latest_fallback", latest_checkpoint(str(root)) == third)
     (root / "latest").write_text("step_000002\n")
-    run.record("dirs/latest_followed", ckpt.latest_checkpoint(str(root)) == second)
+    run.record("dirs/latest_followed", latest_checkpoint(str(root)) == second)
     # The same step saved again (a resumed run passing it once more) replaces it.
     again = ckpt.save_checkpoint(engine, str(root), 3, {"position": "again"})
     names = sorted(os.listdir(root))
@@ -286,7 +287,7 @@ def rng_and_directory_checks(run: Run, out: Path) -> None:
         "dirs/same_step_replaced",
         again == third
         and names == ["latest", "step_000002", "step_000003"]
-        and ckpt.read_checkpoint_metadata(third)["extra_state"] == {"position": "again"},
+        and read_checkpoint_metadata(third)["extra_state"] == {"position": "again"},
     )
 
     # Bad extra_state: refused before anything is written.
