@@ -246,16 +246,23 @@ def test_check_world():
 def test_algo_settings_translate_the_keys_once():
     """``AlgoConfig`` is translated into the algorithm core's settings in one place, with
     switched-off features as the settings' "off" values."""
+    from megatron_gspo import config
     from megatron_gspo.algo import (
         KL_ESTIMATORS,
         LOSS_AGG_MODES,
         AdvantageSettings,
         PolicyLossSettings,
+        corrections,
+        losses,
     )
-    from megatron_gspo.config import KL_ESTIMATORS as CONFIG_KL_ESTIMATORS
-    from megatron_gspo.config import LOSS_AGG_MODES as CONFIG_LOSS_AGG_MODES
 
-    assert CONFIG_LOSS_AGG_MODES == LOSS_AGG_MODES and CONFIG_KL_ESTIMATORS == KL_ESTIMATORS
+    # config.py keeps its own copy of each choice list (importing algo/ would import torch at
+    # --cfg time); they must name what the algorithm core accepts.
+    assert config.LOSS_AGG_MODES == LOSS_AGG_MODES and config.KL_ESTIMATORS == KL_ESTIMATORS
+    assert config.SURROGATES == losses.SURROGATES
+    assert tuple(losses.RATIO_FUNCTIONS) == config.IMPORTANCE_SAMPLING
+    assert ("none", *corrections.CORRECTION_LEVELS) == config.CORRECTION_LEVELS
+    assert config.CORRECTION_MODES == corrections.CORRECTION_MODES
     plain = load_quietly(None, ["algo.response_length=12"]).algo
     assert plain.policy_loss_settings() == PolicyLossSettings(
         importance_sampling="seq",

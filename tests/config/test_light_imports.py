@@ -48,3 +48,26 @@ def test_loop_modules_do_not_import_megatron():
         "import megatron_gspo.checkpoint_files, megatron_gspo.convert.export"
     )
     assert loaded == []
+
+
+def test_only_the_engine_imports_megatron():
+    """``engine/`` is the one package that imports Megatron (CONTRIBUTING.md): an import of
+    ``megatron`` anywhere else in the package, even a lazy one inside a function, fails here."""
+    import ast
+
+    package = REPO_ROOT / "megatron_gspo"
+    offenders = []
+    for path in sorted(package.rglob("*.py")):
+        if path.relative_to(package).parts[0] == "engine":
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0:
+                names = [node.module or ""]
+            else:
+                continue
+            for name in names:
+                if name == "megatron" or name.startswith("megatron."):
+                    offenders.append(f"{path.relative_to(REPO_ROOT)}:{node.lineno} {name}")
+    assert offenders == []
