@@ -7,7 +7,7 @@ product: many small autograd nodes, which dominate at RL-test sizes on CPU.
 :func:`batched_experts_forward` computes the same operations in the same order on the same
 parameters (one ``matmul`` per expert and layer, the activation and the probs product once over
 all rows), so outputs and gradients are bit-identical to upstream, and the parameters, their
-names, the checkpoint layout and the DDP gradient hooks are untouched. ``engine/compat.py``
+names, the checkpoint layout and the DDP gradient hooks are untouched. ``engine/cpu_speed_shims.py``
 routes ``SequentialMLP.forward`` here on CPU when :func:`batched_experts_supported`.
 
 Forward+backward of the experts, 1 thread, medians on the shared 2-core CI box (ms), upstream ->

@@ -38,12 +38,12 @@ from megatron_gspo.config import ModelConfig, ParallelConfig, TrainConfig
 from megatron_gspo.engine.attention import PackedCoreAttention
 from megatron_gspo.engine.compat import (
     MEGATRON_CORE_VERSION,
-    SequenceParallelTorchNorm,
     cuda_available,
     gpt_postprocess_parameters,
     has_router_replay,
     has_transformer_engine,
 )
+from megatron_gspo.engine.cpu_shims import SequenceParallelTorchNorm
 from megatron_gspo.engine.parallel import ParallelState
 from megatron_gspo.engine.sharding import annotate_tensor_parallel_attributes
 

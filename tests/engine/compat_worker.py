@@ -26,7 +26,7 @@ warnings.filterwarnings("ignore")
 import torch  # noqa: E402
 from worker_launch import run_checks  # noqa: E402
 
-from megatron_gspo.engine import compat  # noqa: E402
+from megatron_gspo.engine import compat, cpu_shims  # noqa: E402
 
 CUDA_LITERAL = re.compile(r"device=['\"]cuda['\"]")
 
@@ -57,7 +57,7 @@ def need_probes() -> dict:
 
     modules = {
         f"cuda_allocations[{name}]": functools.partial(allocates_on_cuda, name)
-        for name in compat.CUDA_ALLOCATING_MODULES
+        for name in cpu_shims.CUDA_ALLOCATING_MODULES
     }
     return modules | {
         "current_device": lambda: (
@@ -124,7 +124,7 @@ def need_probes() -> dict:
 
 def norm_probe() -> bool:
     """WrappedTorchNorm (local spec without apex) still rejects sequence parallel, which is why
-    the local spec uses compat.SequenceParallelTorchNorm."""
+    the local spec uses cpu_shims.SequenceParallelTorchNorm."""
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
     from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -198,7 +198,7 @@ def works_checks() -> dict:
         "current_device": lambda: torch.cuda.current_device() == torch.device("cpu"),
         "cuda_allocations": lambda: all(
             importlib.import_module(name).torch.zeros([], device="cuda").device.type == "cpu"
-            for name, needed in compat.CUDA_ALLOCATING_MODULES.items()
+            for name, needed in cpu_shims.CUDA_ALLOCATING_MODULES.items()
             if compat.needed_here(needed)
         ),
         "local_l2_norm": clip,
@@ -206,7 +206,7 @@ def works_checks() -> dict:
         "synchronize_and_streams": lambda: (
             torch.cuda.synchronize() is None
             and torch.cuda.current_stream() == torch.cuda.Stream()
-            and token_dispatcher.torch.cuda.Stream is compat._CpuStream
+            and token_dispatcher.torch.cuda.Stream is cpu_shims._CpuStream
         ),
         "tensor_type_names": lambda: (
             getattr(clip_grads.clip_grad_by_total_norm_fp32, "_cpu_shim", False)
@@ -307,8 +307,8 @@ def applied() -> list[str]:
     """The shims, and the parts of the CUDA-allocation shim, that are in place."""
     modules = [
         f"cuda_allocations[{name}]"
-        for name in compat.CUDA_ALLOCATING_MODULES
-        if isinstance(importlib.import_module(name).torch, compat._CpuAllocatingTorch)
+        for name in cpu_shims.CUDA_ALLOCATING_MODULES
+        if isinstance(importlib.import_module(name).torch, cpu_shims._CpuAllocatingTorch)
     ]
     return compat.applied_shims() + modules
 
