@@ -119,17 +119,21 @@ class CorrectionWeights:
     """``[B]`` ``s_i`` at sequence level, else None."""
 
 
-def sequence_mean_log_ratio(
-    old_log_probs: torch.Tensor,
-    behaviour_log_probs: torch.Tensor,
+def sequence_log_ratio(
+    log_probs: torch.Tensor,
+    other_log_probs: torch.Tensor,
     mask: torch.Tensor,
     lengths: torch.Tensor,
     sequence_group: Optional[dist.ProcessGroup] = None,
 ) -> torch.Tensor:
-    """``[B]`` ``(1/n_i) sum_t m_it (log pi_old - log mu)``, summed over ``sequence_group``."""
-    sums = _masked(old_log_probs - behaviour_log_probs, mask).sum(dim=-1)
+    """``[B]`` ``(1/n_i) sum_t m_it (log_probs - other_log_probs)``, the token sums added over
+    ``sequence_group`` (context parallel); differentiable. The policy's sequence ratio (GSPO,
+    ``lp - lp_old``) and the sequence-level correction (``log pi_old - log mu``) both use it."""
+    sums = _masked(log_probs - other_log_probs, mask).sum(dim=-1)
     if sequence_group is not None and dist.get_world_size(sequence_group) > 1:
-        dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=sequence_group)
+        from torch.distributed.nn.functional import all_reduce
+
+        sums = all_reduce(sums, op=dist.ReduceOp.SUM, group=sequence_group)
     return sums / lengths.to(sums.dtype).clamp(min=1)
 
 
@@ -163,7 +167,7 @@ def correction_weights(
     else:
         if lengths is None:
             lengths = mask.sum(-1)
-        mean_log_ratio = sequence_mean_log_ratio(old, behaviour, mask, lengths, sequence_group)
+        mean_log_ratio = sequence_log_ratio(old, behaviour, mask, lengths, sequence_group)
         sequence_ratios = torch.exp(mean_log_ratio.clamp(-SAFETY_LOG_RATIO, SAFETY_LOG_RATIO))
         ratios = sequence_ratios.unsqueeze(-1).expand_as(old)
     if correction.mode == "truncate":

@@ -73,6 +73,7 @@ from megatron_gspo.algo.corrections import (
     RolloutCorrection,
     correction_metrics,
     correction_weights,
+    sequence_log_ratio,
 )
 from megatron_gspo.algo.kl import KL_ESTIMATORS, kl_estimate
 
@@ -82,22 +83,6 @@ Number = Union[float, int, torch.Tensor]
 def _masked(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     # where, not multiply: a masked -inf log-prob times 0 would be NaN.
     return torch.where(mask, values, torch.zeros_like(values))
-
-
-def sequence_log_ratio(
-    log_probs: torch.Tensor,
-    old_log_probs: torch.Tensor,
-    mask: torch.Tensor,
-    lengths: torch.Tensor,
-    sequence_group: Optional[dist.ProcessGroup] = None,
-) -> torch.Tensor:
-    """``(1/n_i) sum_t m (lp - lp_old)`` ``[B]``; summed over ``sequence_group`` (differentiable)."""
-    local_sums = _masked(log_probs - old_log_probs, mask).sum(dim=-1)
-    if sequence_group is not None and dist.get_world_size(sequence_group) > 1:
-        from torch.distributed.nn.functional import all_reduce
-
-        local_sums = all_reduce(local_sums, op=dist.ReduceOp.SUM, group=sequence_group)
-    return local_sums / lengths.clamp(min=1)
 
 
 def sequence_ratio(log_probs, old_log_probs, mask, lengths, clamp, sequence_group):

@@ -49,6 +49,13 @@ class CallOutcome:
     message: str = ""
     seconds: float = 0.0
 
+    @classmethod
+    def timed_out(cls, timeout_s: float, seconds: float) -> CallOutcome:
+        """A call still without a result after ``timeout_s`` (``reward.timeout_s``)."""
+        return cls(
+            "timeout", float("nan"), f"no result after {timeout_s:g} s (reward.timeout_s)", seconds
+        )
+
 
 def call_reward(function: Callable[[RewardInput], float], sample: RewardInput) -> CallOutcome:
     """Run one call, turning every exception into an ``error`` outcome with its origin."""
@@ -115,12 +122,7 @@ class _Pool:
             now = time.monotonic()
             for slot, (call_index, start) in list(busy.items()):
                 if now - start >= self.timeout_s:
-                    outcomes[call_index] = CallOutcome(
-                        "timeout",
-                        float("nan"),
-                        f"no result after {self.timeout_s:g} s (reward.timeout_s)",
-                        now - start,
-                    )
+                    outcomes[call_index] = CallOutcome.timed_out(self.timeout_s, now - start)
                     del busy[slot]
                     self._replace(slot)
         return outcomes
@@ -198,12 +200,7 @@ class ThreadPool(_Pool):
                 now = time.monotonic()
                 for slot, (call_index, start) in list(self._running.items()):
                     if now - start >= self.timeout_s:
-                        outcomes[call_index] = CallOutcome(
-                            "timeout",
-                            float("nan"),
-                            f"no result after {self.timeout_s:g} s (reward.timeout_s)",
-                            now - start,
-                        )
+                        outcomes[call_index] = CallOutcome.timed_out(self.timeout_s, now - start)
                         self._remaining -= 1
                         del self._running[slot]
                         self._replace(slot)
