@@ -20,6 +20,7 @@ from megatron_gspo.algo.advantages import (
     finish_advantages,
     group_statistics,
     normalize_rewards,
+    turn_advantages,
     whiten,
 )
 from megatron_gspo.algo.corrections import (
@@ -69,5 +70,6 @@ __all__ = [
     "normalize_rewards",
     "policy_loss",
     "sequence_log_ratio",
+    "turn_advantages",
     "whiten",
 ]

@@ -16,6 +16,14 @@ Pipeline (ROLL's order, rlvr_pipeline / functionals.py):
 5. ``whiten``: token-weighted masked whitening ``(A - mu) / sqrt(var + 1e-8)``.
 6. ``advantage_clip``: clamp to ``[-c, c]``.
 
+Per-turn advantages (``AdvantageSettings.per_turn``, multi-turn episodes; docs/algorithms.md):
+sample ``i`` has ``K_i`` model turns with reward parts ``r_ik`` (the last one also holding the
+outcome part of the reward). The reward-to-go ``G_ik = sum_{k' >= k} r_ik'`` (so ``G_i0`` is the
+sample's reward) replaces the reward in step 3, and the estimator runs over the samples of the
+group that have a turn ``k`` (:func:`turn_advantages`); every token of turn ``k`` gets
+``A_ik``, observation tokens 0. With one turn per sample, or equal turn counts and only an
+outcome reward, this is the per-sequence advantage on every token.
+
 Groups of size one have no baseline to compare against: grpo, dr_grpo, rloo and reinforce with a
 group baseline give them advantage 0. Groups whose rewards are all equal get advantage exactly 0
 (the std is 0 and so is every numerator).
@@ -186,6 +194,45 @@ def estimate_advantages(
     return torch.where(singleton, torch.zeros_like(advantages), advantages)
 
 
+def turn_advantages(
+    turn_rewards: torch.Tensor,
+    turn_mask: torch.Tensor,
+    group_ids: torch.Tensor,
+    *,
+    estimator: str,
+    unbiased: bool = True,
+    eps: float = 1e-6,
+    reinforce_baseline: str = "none",
+) -> torch.Tensor:
+    """Per-turn advantages ``[B, K]`` (float64; 0 where ``turn_mask`` is False).
+
+    ``turn_rewards [B, K]``: each model turn's reward part (padding beyond a sample's turns is
+    ignored); ``turn_mask [B, K]``: the turns that exist (a prefix of each row). The
+    reward-to-go ``G_ik = sum_{k' >= k} r_ik'`` of turn ``k`` is compared, by ``estimator``
+    (:func:`estimate_advantages`), with the reward-to-go of turn ``k`` of the other samples of
+    its group that reached a turn ``k``; a ``batch`` baseline is the mean over the batch's
+    samples that reached turn ``k``.
+    """
+    mask = turn_mask.bool()
+    rewards = torch.where(
+        mask, turn_rewards.to(torch.float64), torch.zeros((), dtype=torch.float64)
+    )
+    returns = torch.flip(torch.cumsum(torch.flip(rewards, dims=[1]), dim=1), dims=[1])
+    advantages = torch.zeros_like(returns)
+    for turn in range(returns.shape[1]):
+        rows = mask[:, turn]
+        if rows.any():
+            advantages[rows, turn] = estimate_advantages(
+                returns[rows, turn],
+                group_ids[rows],
+                estimator=estimator,
+                unbiased=unbiased,
+                eps=eps,
+                reinforce_baseline=reinforce_baseline,
+            )
+    return advantages
+
+
 def add_token_level_kl(
     advantages: torch.Tensor,
     old_log_probs: torch.Tensor,
@@ -260,6 +307,9 @@ class AdvantageSettings:
     """Added to the std before dividing (ROLL, verl, slime)."""
     reinforce_baseline: str = "none"
     """Baseline ``b`` of ``reinforce``: ``none`` (0), ``group`` (mean_g) or ``batch``."""
+    per_turn: bool = False
+    """Step 3 per model turn (multi-turn episodes; module docstring): per-token advantages from
+    the turns' rewards-to-go. Excludes reward normalisation, reward clip and KL-in-reward."""
     token_level_kl_coef: Optional[float] = None
     """Step 4, KL-in-reward (ROLL ``add_token_level_kl``): ``A_it = A_i - coef * sum_{t' >= t}
     KL(old || ref)_it'``; advantages become per token. None: off."""
@@ -282,11 +332,21 @@ class AdvantageSettings:
         ):
             if value not in known:
                 raise ValueError(f"unknown {name} {value!r}; known: {', '.join(map(str, known))}")
+        if self.per_turn and (
+            self.reward_norm is not None
+            or self.reward_clip is not None
+            or self.token_level_kl_coef is not None
+        ):
+            raise ValueError(
+                "per-turn advantages start from the turns' rewards: reward_norm, reward_clip and "
+                "token_level_kl_coef must be off"
+            )
 
     @property
     def per_token(self) -> bool:
-        """Whether the advantages are per token ``[B, T]`` (KL-in-reward) or per sequence."""
-        return self.token_level_kl_coef is not None
+        """Whether the advantages are per token ``[B, T]`` (KL-in-reward, per turn) or per
+        sequence."""
+        return self.token_level_kl_coef is not None or self.per_turn
 
 
 def compute_advantages(
@@ -299,6 +359,9 @@ def compute_advantages(
     old_log_probs: Optional[torch.Tensor] = None,
     ref_log_probs: Optional[torch.Tensor] = None,
     response_mask: Optional[torch.Tensor] = None,
+    turn_rewards: Optional[torch.Tensor] = None,
+    turn_mask: Optional[torch.Tensor] = None,
+    token_turns: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Advantages (float32) from rewards ``[B]`` and prompt ids ``group_ids [B]``: steps 1-6 of
     the module docstring.
@@ -311,12 +374,19 @@ def compute_advantages(
         running: the running reward moments of ``reward_norm=running`` (updated in place).
         old_log_probs, ref_log_probs, response_mask: ``[B, T]`` (padded) inputs of KL-in-reward,
             required when ``settings.token_level_kl_coef`` is set.
+        turn_rewards, turn_mask: ``[B, K]`` the turns' reward parts and which turns exist;
+            token_turns ``[B, T]`` the turn of each response token (-1: an observation or
+            padding); with response_mask, required when ``settings.per_turn`` is set.
 
     Returns:
         ``(advantages, metrics)``: ``[B]`` (or ``[B, T]`` with KL-in-reward, 0 at masked
         positions) and float64 0-d metrics ``reward_clip_frac``, ``advantage_clip_frac``,
         ``token_level_kl`` (each only when its step is on).
     """
+    if settings.per_turn:
+        return _per_turn_advantages(
+            settings, group_ids, turn_rewards, turn_mask, token_turns, response_mask
+        )
     processed = normalize_rewards(
         rewards,
         group_ids,
@@ -368,6 +438,39 @@ def compute_advantages(
         advantage_clip=settings.advantage_clip,
     )
     metrics.update(clip_metrics)
+    return advantages.float(), metrics
+
+
+def _per_turn_advantages(
+    settings: AdvantageSettings,
+    group_ids: torch.Tensor,
+    turn_rewards: Optional[torch.Tensor],
+    turn_mask: Optional[torch.Tensor],
+    token_turns: Optional[torch.Tensor],
+    response_mask: Optional[torch.Tensor],
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    if turn_rewards is None or turn_mask is None or token_turns is None or response_mask is None:
+        raise ValueError(
+            "per-turn advantages need turn_rewards, turn_mask, token_turns and response_mask"
+        )
+    by_turn = turn_advantages(
+        turn_rewards,
+        turn_mask,
+        group_ids,
+        estimator=settings.estimator,
+        unbiased=settings.std_unbiased,
+        eps=settings.std_eps,
+        reinforce_baseline=settings.reinforce_baseline,
+    )
+    mask = response_mask.bool() & (token_turns >= 0)
+    tokens = by_turn.gather(1, token_turns.long().clamp(min=0))
+    tokens = torch.where(mask, tokens, torch.zeros((), dtype=torch.float64))
+    advantages, metrics = finish_advantages(
+        tokens,
+        response_mask.bool(),
+        whiten_advantages=settings.whiten,
+        advantage_clip=settings.advantage_clip,
+    )
     return advantages.float(), metrics
 
 
