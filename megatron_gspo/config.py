@@ -502,6 +502,11 @@ class AlgoConfig:
     only the comparison with the rollout's routes is available."""
     log_ratio_clamp: float = 10.0
     """|log ratio| is clamped to this before exp (sequence and token ratios), as verl does."""
+    advantage_level: str = "sequence"
+    """sequence: one advantage per sample from its reward; turn: per-token advantages from an
+    environment's turn rewards (each model turn gets the group-relative advantage of its
+    reward-to-go, docs/algorithms.md), which GSPO-token (importance_sampling=seq_token) or the
+    token ratio weigh per token. Needs an environment (env.name)."""
     mask_truncated: bool = False
     """Keep responses cut by a length limit (finish reason ``length``; a trajectory cut by an
     environment limit) out of the loss: DAPO's over-long filtering (arXiv 2503.14476, section
@@ -655,6 +660,39 @@ class AlgoConfig:
                 "the reward term is KL(old || ref) per token, computed before any update",
                 "use algo.old_log_prob_source=recompute or rollout",
             )
+        _check_choice(
+            "algo.advantage_level",
+            self.advantage_level,
+            ("sequence", "turn"),
+            "advantages are per sample or per model turn",
+        )
+        if self.advantage_level == "turn":
+            if self.importance_sampling == "seq":
+                raise ConfigError(
+                    "algo.advantage_level",
+                    "per-turn advantages with GSPO's sequence ratio (importance_sampling=seq)",
+                    "GSPO's loss weighs every token of a sequence by one ratio, so per-token "
+                    "advantages average out to their mean; GSPO-token keeps them apart (GSPO "
+                    "paper, eq. 13-14)",
+                    "set algo.importance_sampling=seq_token (GSPO-token) or token",
+                )
+            for name in ("reward_norm", "reward_clip"):
+                if getattr(self, name) is not None:
+                    raise ConfigError(
+                        f"algo.{name}",
+                        f"{name} with per-turn advantages",
+                        "reward normalisation and clipping act on one reward per sample; "
+                        "per-turn advantages start from the turns' rewards",
+                        f"set algo.{name}=null, or algo.advantage_level=sequence",
+                    )
+            if self.add_token_level_kl:
+                raise ConfigError(
+                    "algo.add_token_level_kl",
+                    "KL-in-reward with per-turn advantages",
+                    "both make per-token advantages, in different ways; combining them is not "
+                    "defined here",
+                    "set one of algo.add_token_level_kl=false or algo.advantage_level=sequence",
+                )
         if self.dynamic_sampling and self.num_return_sequences_in_group < 2:
             raise ConfigError(
                 "algo.dynamic_sampling",
@@ -799,6 +837,7 @@ class AlgoConfig:
             std_unbiased=self.std_unbiased,
             std_eps=self.std_eps,
             reinforce_baseline=self.reinforce_baseline,
+            per_turn=self.advantage_level == "turn",
             token_level_kl_coef=self.token_level_kl_coef if self.add_token_level_kl else None,
             token_level_kl_estimator=self.token_level_kl_estimator,
             kl_clamp=self.kl_clamp,
@@ -1082,13 +1121,6 @@ class RewardConfig:
                     "options are passed to the function as keyword arguments",
                     f"write reward.options.{name} as key: value pairs",
                 )
-        if not self.functions:
-            raise ConfigError(
-                "reward.functions",
-                "no reward function",
-                "every sample needs a score",
-                "set reward.functions, e.g. [math] or [my_pkg.rewards:score]",
-            )
         if self.weights and len(self.weights) != len(self.functions):
             raise ConfigError(
                 "reward.weights",
@@ -1145,6 +1177,41 @@ class DataConfig:
                     f"set data.{name} to a column name, e.g. 'prompt' or "
                     "'reward_model.ground_truth'",
                 )
+
+
+@dataclass
+class EnvConfig:
+    """Multi-turn rollouts in an environment (docs/agentic.md): the model's turns alternate with
+    the environment's observations (tool outputs), token in and token out."""
+
+    name: Optional[str] = None
+    """Built-in environment (single_turn, python_tool, multiply_tool) or an import path
+    package.module:Class; null: no environment (one completion per sample)."""
+    options: dict[str, Any] = field(default_factory=dict)
+    """Keyword arguments of the environment (the built-ins': their classes in
+    megatron_gspo/envs/), e.g. {tool_timeout_s: 5}."""
+    max_turns: int = 4
+    """Most model turns of a trajectory; one that has not ended after them is truncated (verl's
+    multi_turn.max_assistant_turns, slime's retool max_turns)."""
+    max_tokens_per_turn: Optional[int] = None
+    """Most tokens of one model turn (a turn cut there truncates its trajectory); null: what is
+    left of the response budget. The budget of a whole trajectory, model and observation tokens
+    after the prompt, is algo.response_length."""
+    num_workers: int = 4
+    """Environment steps (tool calls) running at the same time, in threads of the driver."""
+
+    def __post_init__(self) -> None:
+        _check_positive("env.max_turns", self.max_turns)
+        _check_positive("env.num_workers", self.num_workers)
+        if self.max_tokens_per_turn is not None:
+            _check_positive("env.max_tokens_per_turn", self.max_tokens_per_turn)
+        if self.options and self.name is None:
+            raise ConfigError(
+                "env.options",
+                "options given without an environment",
+                "options are keyword arguments of the environment named in env.name",
+                "set env.name, or remove env.options",
+            )
 
 
 @dataclass
@@ -1231,6 +1298,7 @@ class TrainConfig:
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
     data: DataConfig = field(default_factory=DataConfig)
+    env: EnvConfig = field(default_factory=EnvConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
@@ -1297,6 +1365,20 @@ class TrainConfig:
                 f"num_layers={model.num_layers} is not divisible by pp*vpp={layers_per_chunk}",
                 "every pipeline chunk holds the same number of layers",
                 "change parallel.pp / parallel.vpp or model.num_layers",
+            )
+        if not self.reward.functions and self.env.name is None:
+            raise ConfigError(
+                "reward.functions",
+                "no reward function",
+                "every sample needs a score (only an environment can give it without one)",
+                "set reward.functions, e.g. [math] or [my_pkg.rewards:score]",
+            )
+        if algo.advantage_level == "turn" and self.env.name is None:
+            raise ConfigError(
+                "algo.advantage_level",
+                "per-turn advantages without an environment",
+                "turns and their rewards come from an environment's episodes",
+                "set env.name, or algo.advantage_level=sequence",
             )
         if self.reward.overlong_buffer > algo.response_length:
             raise ConfigError(

@@ -19,7 +19,7 @@ from __future__ import annotations
 import abc
 import logging
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Optional
@@ -31,10 +31,9 @@ from megatron_gspo.config import ConfigError, TrainConfig, to_dict
 from megatron_gspo.metrics import MetricsLogger, pass_at_k, rollout_metrics
 from megatron_gspo.production import (
     SampleProducer,
+    Sampling,
     SingleTurnProducer,
     collect_step_batch,
-    generate,
-    score,
 )
 from megatron_gspo.samples import TrainSample
 
@@ -175,13 +174,37 @@ class RolloutDriver(Driver):
         self.cfg = cfg
         self.resources = resources
         self.task = build_task(cfg)
-        self.rewards: RewardRunner = resources.enter_context(RewardRunner(cfg.reward))
-        self.rollout_engine: RolloutEngine = resources.enter_context(build_rollout(cfg))
-        self.producer: SampleProducer = SingleTurnProducer(
-            self.rollout_engine, self.task, self.rewards, cfg
+        # With an environment the reward functions are optional (it may score by itself).
+        self.rewards: Optional[RewardRunner] = (
+            resources.enter_context(RewardRunner(cfg.reward)) if cfg.reward.functions else None
         )
+        self.environment_factory = None
+        if cfg.env.name is not None:
+            from megatron_gspo.envs import EnvironmentSpec, load_environment
+
+            self.environment_factory = load_environment(
+                EnvironmentSpec(cfg.env.name, dict(cfg.env.options))
+            )
+        self.rollout_engine: RolloutEngine = resources.enter_context(build_rollout(cfg))
+        self.producer: SampleProducer = self.make_producer(Sampling.training(cfg))
         self.logger: Optional[MetricsLogger] = None
         self._records: list[dict] = []
+
+    def make_producer(self, sampling: Sampling) -> SampleProducer:
+        """The run's way of producing samples (an environment's episodes or one completion per
+        sample) at ``sampling``'s settings."""
+        if self.environment_factory is not None:
+            from megatron_gspo.envs import EnvironmentProducer
+
+            return EnvironmentProducer(
+                self.rollout_engine,
+                self.task,
+                self.rewards,
+                self.cfg,
+                sampling,
+                factory=self.environment_factory,
+            )
+        return SingleTurnProducer(self.rollout_engine, self.task, self.rewards, self.cfg, sampling)
 
     def start(self, step: int, data_state: Optional[dict]) -> None:
         if data_state is not None:
@@ -207,6 +230,12 @@ class RolloutDriver(Driver):
 
     def supervised_batch(self) -> list[TrainSample]:
         prompts = self.task.stream.next_batch(self.cfg.algo.rollout_batch_size)
+        if self.environment_factory is not None:
+            from megatron_gspo.envs import demonstration_samples
+
+            return broadcast_samples(
+                demonstration_samples(self.environment_factory, prompts, self.task, self.cfg)
+            )
         return broadcast_samples([reference_sample(prompt, self.task) for prompt in prompts])
 
     def sync_weights(self, named_tensors: Iterator[tuple[str, Any]], version: int) -> dict:
@@ -221,7 +250,7 @@ class RolloutDriver(Driver):
         }
 
     def evaluate(self) -> dict[str, float]:
-        return evaluate(self.rollout_engine, self.task, self.rewards, self.cfg)
+        return evaluate(self.make_producer, self.task.eval_prompts, self.cfg)
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         self.logger.log(step, metrics)
@@ -277,13 +306,13 @@ class DriverFollower(Driver):
 
 
 def evaluate(
-    rollout: RolloutEngine, task: Task, rewards: RewardRunner, cfg: TrainConfig
+    make_producer: Callable[[Sampling], SampleProducer], prompts: list[Prompt], cfg: TrainConfig
 ) -> dict[str, float]:
-    """Held-out prompts: greedy accuracy, mean reward and pass@k of sampled responses.
+    """Held-out prompts: greedy accuracy, mean reward and pass@k of sampled responses, with the
+    run's producer (``make_producer``) at evaluation's sampling settings.
 
     A response counts as correct when its reward reaches ``eval.correct_reward``.
     """
-    prompts = task.eval_prompts
     if not prompts:
         return {}
     samples_per_prompt = cfg.eval.num_samples
@@ -292,17 +321,10 @@ def evaluate(
         ("greedy", 0.0, 1),
         ("sampled", cfg.eval.temperature, samples_per_prompt),
     ):
-        samples, sample_prompts = generate(
-            rollout,
-            task,
-            prompts,
-            cfg,
-            step=-1,
-            temperature=temperature,
-            group_size=n,
-            return_routes=False,
+        producer = make_producer(
+            Sampling(temperature=temperature, group_size=n, return_routes=False, finish=False)
         )
-        score(samples, sample_prompts, rewards, task)
+        samples = producer.produce(prompts, step=-1).samples
         correct = [s.reward >= cfg.eval.correct_reward for s in samples]
         metrics[f"eval/{name}_reward_mean"] = sum(s.reward for s in samples) / len(samples)
         if name == "greedy":

@@ -83,7 +83,12 @@ def assign_advantages(
     rewards = torch.tensor([s.reward for s in samples], dtype=torch.float64)
     group_ids = torch.tensor([s.group_id for s in samples])
     lengths = torch.tensor([int(s.response_mask().sum()) for s in samples], dtype=torch.float64)
-    kl_inputs = _padded_log_probs(samples) if settings.per_token else {}
+    if settings.per_turn:
+        kl_inputs = _padded_turns(samples)
+    elif settings.per_token:
+        kl_inputs = _padded_log_probs(samples)
+    else:
+        kl_inputs = {}
     advantages, metrics = compute_advantages(
         rewards, group_ids, settings, response_lengths=lengths, running=moments, **kl_inputs
     )
@@ -96,6 +101,35 @@ def assign_advantages(
     values = torch.cat([s.advantages.reshape(-1).float() for s in samples])
     metrics.update({"advantage_mean": values.mean(), "advantage_abs_mean": values.abs().mean()})
     return {name: float(value) for name, value in metrics.items()}
+
+
+def _padded_turns(samples: list[TrainSample]) -> dict[str, torch.Tensor]:
+    """The inputs of per-turn advantages, padded: ``turn_rewards``, ``turn_mask`` ``[B, K]``,
+    ``token_turns``, ``response_mask`` ``[B, T]``. The part of a sample's reward that no turn
+    holds (reward functions, length shaping) counts at its last turn; a sample without turns
+    (one completion) is one turn."""
+    turn_counts = [1 if s.turn_rewards is None else max(1, len(s.turn_rewards)) for s in samples]
+    width = max(s.response_length for s in samples)
+    turn_rewards = torch.zeros(len(samples), max(turn_counts), dtype=torch.float64)
+    turn_mask = torch.zeros(len(samples), max(turn_counts), dtype=torch.bool)
+    token_turns = torch.full((len(samples), width), -1, dtype=torch.long)
+    mask = torch.zeros(len(samples), width, dtype=torch.bool)
+    for row, (sample, count) in enumerate(zip(samples, turn_counts)):
+        parts = torch.zeros(count, dtype=torch.float64)
+        if sample.turn_rewards is not None and len(sample.turn_rewards):
+            parts[:] = sample.turn_rewards.double()
+        parts[-1] += sample.reward - float(parts.sum())
+        turn_rewards[row, :count] = parts
+        turn_mask[row, :count] = True
+        length = sample.response_length
+        token_turns[row, :length] = 0 if sample.turns is None else sample.turns.long()
+        mask[row, :length] = sample.response_mask()
+    return {
+        "turn_rewards": turn_rewards,
+        "turn_mask": turn_mask,
+        "token_turns": token_turns,
+        "response_mask": mask,
+    }
 
 
 def _padded_log_probs(samples: list[TrainSample]) -> dict[str, torch.Tensor]:

@@ -11,7 +11,8 @@ logs) calls :func:`check_before_start`, which checks
 - the prompt files (every malformed row with its file and line), the tokenizer and that its ids
   fit ``model.vocab_size``,
 - the reward functions (names, imports, options, their start-up checks: the code reward's
-  sandbox),
+  sandbox) and the environment (``env.name``: name, import, options, its start-up check: the
+  tool sandbox),
 - the SGLang servers (reachable) or what launching them needs,
 
 and raises one :class:`StartupErrors` listing each problem as what / why / how to fix.
@@ -51,7 +52,14 @@ class StartupErrors(ConfigError):
 def check_before_start(cfg: TrainConfig) -> None:
     """Raise :class:`StartupErrors` with every problem of the checks in the module docstring."""
     errors: list[ConfigError] = []
-    for check in (_output_dir, _load_path, _data_and_tokenizer, _rewards, _rollout_servers):
+    for check in (
+        _output_dir,
+        _load_path,
+        _data_and_tokenizer,
+        _rewards,
+        _environment,
+        _rollout_servers,
+    ):
         errors += check(cfg)
     if errors:
         raise StartupErrors(errors)
@@ -198,6 +206,14 @@ def _rewards(cfg: TrainConfig) -> list[ConfigError]:
             lambda spec=spec: check_reward_function(spec, load_reward_function(spec))
         )
     return errors
+
+
+def _environment(cfg: TrainConfig) -> list[ConfigError]:
+    if cfg.env.name is None:
+        return []
+    from megatron_gspo.envs.base import EnvironmentSpec, load_environment
+
+    return _collect(lambda: load_environment(EnvironmentSpec(cfg.env.name, dict(cfg.env.options))))
 
 
 def _rollout_servers(cfg: TrainConfig) -> list[ConfigError]:

@@ -78,23 +78,61 @@ class SampleProducer(abc.ABC):
         """The scored samples of ``prompts`` at RL step ``step``."""
 
 
+@dataclass(frozen=True)
+class Sampling:
+    """How a producer samples: the training settings (:meth:`training`) or evaluation's."""
+
+    temperature: float
+    """0: greedy."""
+    group_size: int
+    return_routes: bool
+    finish: bool = True
+    """Apply :func:`finish_samples` (length shaping, truncation mask): for training, not for
+    evaluation, which reports the rewards themselves."""
+
+    @classmethod
+    def training(cls, cfg: TrainConfig) -> Sampling:
+        return cls(
+            temperature=cfg.rollout.temperature,
+            group_size=cfg.algo.num_return_sequences_in_group,
+            return_routes=cfg.requests_rollout_routes,
+        )
+
+
 class SingleTurnProducer(SampleProducer):
     """One completion per sample: :func:`generate`, then :func:`score` (today's rollout)."""
 
-    def __init__(self, rollout: RolloutEngine, task: Task, rewards: RewardRunner, cfg: TrainConfig):
+    def __init__(
+        self,
+        rollout: RolloutEngine,
+        task: Task,
+        rewards: RewardRunner,
+        cfg: TrainConfig,
+        sampling: Optional[Sampling] = None,
+    ):
         self.rollout, self.task, self.rewards, self.cfg = rollout, task, rewards, cfg
-        self.group_size = cfg.algo.num_return_sequences_in_group
+        self.sampling = sampling or Sampling.training(cfg)
+        self.group_size = self.sampling.group_size
 
     def produce(
         self, prompts: Sequence[Prompt], step: int, *, first_index: int = 0
     ) -> ScoredSamples:
         started = time.perf_counter()
         samples, sample_prompts = generate(
-            self.rollout, self.task, list(prompts), self.cfg, step, first_index=first_index
+            self.rollout,
+            self.task,
+            list(prompts),
+            self.cfg,
+            step,
+            temperature=self.sampling.temperature,
+            group_size=self.sampling.group_size,
+            return_routes=self.sampling.return_routes,
+            first_index=first_index,
         )
         generated = time.perf_counter()
         reward_stats = score(samples, sample_prompts, self.rewards, self.task)
-        reward_stats.update(finish_samples(samples, cfg=self.cfg))
+        if self.sampling.finish:
+            reward_stats.update(finish_samples(samples, cfg=self.cfg))
         return ScoredSamples(
             samples,
             {
@@ -246,13 +284,21 @@ def collect_informative_groups(
     return ScoredSamples([sample for group in kept for sample in group], metrics)
 
 
-_SUMMED_SUFFIXES = ("_errors", "_timeouts", "_seconds", "_s", "_count", "_all_failed")
+_SUMMED_SUFFIXES = (
+    "_errors",
+    "_failures",
+    "_timeouts",
+    "_seconds",
+    "_s",
+    "_count",
+    "_all_failed",
+)
 
 
 def merge_round_metrics(parts: Sequence[tuple[dict[str, float], int]]) -> dict[str, float]:
     """The metrics of several :meth:`SampleProducer.produce` calls as one: counts and times
-    (names ending in ``_errors``, ``_timeouts``, ``_seconds``, ``_s``, ``_count``,
-    ``_all_failed``) summed, ``*_min`` / ``*_max`` the extreme, the rest averaged weighted by
+    (names ending in ``_errors``, ``_failures``, ``_timeouts``, ``_seconds``, ``_s``,
+    ``_count``, ``_all_failed``) summed, ``*_min`` / ``*_max`` the extreme, the rest averaged weighted by
     each call's samples."""
     if len(parts) == 1:
         return dict(parts[0][0])

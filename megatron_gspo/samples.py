@@ -42,6 +42,14 @@ class TrainSample:
     """``[L - 1, M, K]`` the old policy's native routes, recorded by the training engine's
     old-log-prob forward (``forward_log_probs(record_routes=True)``). R2 replays them; they are
     the reference of ``routing_change_frac``."""
+    turns: Optional[torch.Tensor] = None
+    """``[R]`` int16: the model turn (0, 1, ...) of each response token, -1 for an environment's
+    observation tokens (context, never trained on: their loss mask is False). None for a single
+    completion (every response token belongs to turn 0)."""
+    turn_rewards: Optional[torch.Tensor] = None
+    """``[K]`` float64: the environment's reward part of each of the K model turns (0 for a turn
+    it never answered). ``reward`` minus their sum is the outcome part (reward functions, length
+    shaping), which per-turn advantages count at the last turn. None for a single completion."""
     reward: float = 0.0
     finish_reason: str = "stop"
     weight_version: int = 0

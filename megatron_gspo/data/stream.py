@@ -27,6 +27,7 @@ from megatron_gspo.data.prompts import Prompt, PromptDataset, load_prompt_datase
 from megatron_gspo.data.synthetic import (
     EVAL_STREAM,
     NUM_DIGITS,
+    TOOL_TASKS,
     TRAIN_STREAM,
     check_task,
     draw_digits,
@@ -201,8 +202,9 @@ def _check_fingerprint(expected: dict[str, Any], state: dict[str, Any]) -> None:
 # --------------------------------------------------------------------------------------------
 
 
-def _check_synthetic_lengths(algo: AlgoConfig) -> None:
-    prompt_tokens = NUM_DIGITS + 1
+def _check_synthetic_lengths(algo: AlgoConfig, task: str) -> None:
+    # The digits and <sep>, and the '*' between the operands of the tool task.
+    prompt_tokens = NUM_DIGITS + 1 + (task in TOOL_TASKS)
     if algo.prompt_length < prompt_tokens:
         raise ConfigError(
             "algo.prompt_length",
@@ -224,7 +226,7 @@ def build_prompt_stream(
 ) -> PromptStream:
     """The training prompts: ``data.train_path`` if set, else the synthetic ``data.task``."""
     if data.train_path is None:
-        _check_synthetic_lengths(algo)
+        _check_synthetic_lengths(algo, data.task)
         return SyntheticPromptStream(data.task, seed=seed, num_eval_prompts=data.num_eval_prompts)
     dataset = load_prompt_dataset(
         data.train_path,
@@ -244,7 +246,7 @@ def build_eval_prompts(
     long ones dropped), or ``data.num_eval_prompts`` synthetic prompts from the eval generator
     (disjoint from training). Empty when a file dataset has no ``eval_path``."""
     if data.train_path is None and data.eval_path is None:
-        _check_synthetic_lengths(algo)
+        _check_synthetic_lengths(algo, data.task)
         return [
             synthetic_prompt(
                 data.task,

@@ -9,6 +9,9 @@ is 8 digits the policy must emit, then ``<eos>``:
 - ``digit_reversal``: the prompt's digits in reverse order (``31415926<sep>`` -> ``62951413<eos>``);
   answer digit j sits 2j + 1 tokens back, a different offset per position, so it is much harder;
 - ``digit_sort``: the prompt's digits in ascending order (``31415926<sep>`` -> ``11234569<eos>``).
+- ``multiply``: the 8 digits as two 4-digit numbers to multiply (``3141*5926<sep>`` ->
+  ``18613566``); a task for a tool (:mod:`megatron_gspo.envs.multiply`): a tiny model cannot
+  multiply, it can call the calculator and copy its result.
 
 Reward (:func:`score_digit_response`; the TRL benchmark uses the same definition)::
 
@@ -40,13 +43,32 @@ def _reverse(digits: Sequence[int]) -> list[int]:
     return list(reversed(digits))
 
 
-SYNTHETIC_TASKS = {"digit_copy": list, "digit_reversal": _reverse, "digit_sort": sorted}
+def _multiply(digits: Sequence[int]) -> list[int]:
+    left, right = _operands(digits)
+    return [int(character) for character in str(left * right)]
+
+
+def _operands(digits: Sequence[int]) -> tuple[int, int]:
+    half = len(digits) // 2
+    return int("".join(map(str, digits[:half]))), int("".join(map(str, digits[half:])))
+
+
+SYNTHETIC_TASKS = {
+    "digit_copy": list,
+    "digit_reversal": _reverse,
+    "digit_sort": sorted,
+    "multiply": _multiply,
+}
 """Task name -> function from the prompt's digits to the answer's digits."""
+
+TOOL_TASKS = ("multiply",)
+"""Tasks whose prompts and tools use the tool tokens (``tokenizer.TOOL_TOKENS``)."""
 
 TASK_SUMMARIES = {
     "digit_copy": "repeat 8 random digits",
     "digit_reversal": "reverse 8 random digits",
     "digit_sort": "sort 8 random digits",
+    "multiply": "multiply two 4-digit numbers with a calculator tool",
 }
 """Task name -> what the policy learns, in the words every description of a task uses (the CPU
 demo's in README, ``--help``, examples/moe/cpu_demo.yaml; tests/docs/test_docs.py checks them)."""
@@ -72,9 +94,17 @@ def draw_digits(seed: int, stream: int, index: int, num_digits: int = NUM_DIGITS
 
 def task_example(task: str, digits: Sequence[int]) -> tuple[list[int], str, str]:
     """``(prompt_ids, prompt_text, answer)`` of one prompt: ids ``digits + [<sep>]``, the text
-    ``"31415926<sep>"`` and the answer digits as a string (``"62951413"``), without ``<eos>``."""
+    ``"31415926<sep>"`` and the answer digits as a string (``"62951413"``), without ``<eos>``.
+    ``multiply`` puts ``*`` between the two halves (``"3141*5926<sep>"``)."""
     check_task(task)
     answer = "".join(str(digit) for digit in SYNTHETIC_TASKS[task](list(digits)))
+    if task in TOOL_TASKS:
+        from megatron_gspo.data.tokenizer import TOOL_TOKENS
+
+        half = len(digits) // 2
+        prompt_ids = [*digits[:half], TOOL_TOKENS["*"], *digits[half:], SEP_TOKEN_ID]
+        text = "".join(map(str, digits[:half])) + "*" + "".join(map(str, digits[half:]))
+        return prompt_ids, text + SEP_TOKEN, answer
     prompt_text = "".join(str(digit) for digit in digits) + SEP_TOKEN
     return [*digits, SEP_TOKEN_ID], prompt_text, answer
 

@@ -1,4 +1,5 @@
-"""Tokenizers: the built-in synthetic one, a byte-level one, and loading a Hugging Face directory.
+"""Tokenizers: the built-in synthetic ones, a byte-level one, and loading a Hugging Face
+directory.
 
 Both built-in tokenizers are made in code from a ``tokenizers`` model and wrapped in
 ``transformers.PreTrainedTokenizerFast``, so every Hugging Face code path (``apply_chat_template``,
@@ -12,6 +13,15 @@ Synthetic vocabulary (15 tokens, ids fixed so that a digit's id is the digit its
     12     <eos>
     13     <sep>     ends a prompt of the synthetic tasks
     14     <unk>
+
+The tool task (``multiply``, :mod:`megatron_gspo.envs.multiply`) adds six tokens::
+
+    15     *
+    16     <call>      a tool call starts
+    17     </call>     a tool call ends (and with it the model's turn)
+    18     <result>    the tool's output starts
+    19     </result>   the tool's output ends
+    20     <error>     the tool failed
 """
 
 from __future__ import annotations
@@ -36,6 +46,14 @@ SYNTHETIC_VOCAB: dict[str, int] = {
     SEP_TOKEN: 13,
     UNK_TOKEN: 14,
 }
+TOOL_TOKENS: dict[str, int] = {
+    "*": 15,
+    "<call>": 16,
+    "</call>": 17,
+    "<result>": 18,
+    "</result>": 19,
+    "<error>": 20,
+}
 SEP_TOKEN_ID = SYNTHETIC_VOCAB[SEP_TOKEN]
 EOS_TOKEN_ID = SYNTHETIC_VOCAB[EOS_TOKEN]
 PAD_TOKEN_ID = SYNTHETIC_VOCAB[PAD_TOKEN]
@@ -57,16 +75,19 @@ CHATML_TEMPLATE = (
 )
 
 
-def build_synthetic_tokenizer() -> PreTrainedTokenizerBase:
+def build_synthetic_tokenizer(with_tool_tokens: bool = False) -> PreTrainedTokenizerBase:
     """The tokenizer of the synthetic digit tasks: one token per character, ids as in the module
     docstring. Text is split into single characters; ``<pad>``/``<bos>``/``<eos>``/``<sep>`` are
-    special tokens; any other character becomes ``<unk>``. ``decode`` concatenates without spaces."""
+    special tokens; any other character becomes ``<unk>``. ``decode`` concatenates without spaces.
+    ``with_tool_tokens`` adds the tool task's six tokens (21 in all)."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    backend = Tokenizer(models.WordLevel(vocab=dict(SYNTHETIC_VOCAB), unk_token=UNK_TOKEN))
+    vocab = {**SYNTHETIC_VOCAB, **(TOOL_TOKENS if with_tool_tokens else {})}
+    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token=UNK_TOKEN))
     backend.pre_tokenizer = pre_tokenizers.Split(pattern=Regex("."), behavior="isolated")
     backend.decoder = decoders.Fuse()
+    tags = [token for token in TOOL_TOKENS if token.startswith("<")] if with_tool_tokens else []
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=backend,
         pad_token=PAD_TOKEN,
@@ -74,9 +95,10 @@ def build_synthetic_tokenizer() -> PreTrainedTokenizerBase:
         eos_token=EOS_TOKEN,
         sep_token=SEP_TOKEN,
         unk_token=UNK_TOKEN,
+        **({"additional_special_tokens": tags} if tags else {}),
     )
     tokenizer.chat_template = SYNTHETIC_CHAT_TEMPLATE
-    _check_ids(tokenizer, SYNTHETIC_VOCAB)
+    _check_ids(tokenizer, vocab)
     return tokenizer
 
 
@@ -147,7 +169,9 @@ def load_tokenizer(data: DataConfig, model: ModelConfig) -> tuple[PreTrainedToke
                 "reward depend on",
                 "remove data.tokenizer_path, or set data.train_path to a prompt file",
             )
-        tokenizer = build_synthetic_tokenizer()
+        from megatron_gspo.data.synthetic import TOOL_TASKS
+
+        tokenizer = build_synthetic_tokenizer(with_tool_tokens=data.task in TOOL_TASKS)
         source = f"built-in synthetic tokenizer ({data.task})"
     else:
         path = data.tokenizer_path or model.hf_path

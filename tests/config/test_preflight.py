@@ -89,6 +89,7 @@ def test_every_problem_is_reported_at_once(tmp_path):
             f"data.train_path={data}",
             f"data.tokenizer_path={tmp_path / 'no_tokenizer'}",
             "reward.functions=[my_missing_package.rewards:score]",
+            "env.name=my_missing_package.envs:Episode",
             "rollout.engine=sglang",
             f"rollout.sglang_urls=[http://127.0.0.1:{closed_port()}]",
             f"checkpoint.load_path={tmp_path / 'no_checkpoint'}",
@@ -102,10 +103,11 @@ def test_every_problem_is_reported_at_once(tmp_path):
         "data.train_path",
         "data.tokenizer_path",
         "reward.functions['my_missing_package.rewards:score']",
+        "env.name",
         "rollout.sglang_urls",
     ]
     message = str(caught.value)
-    assert message.startswith("5 problems found before start")
+    assert message.startswith("6 problems found before start")
     assert f"{data}:2: invalid JSON" in message and f"{data}:3: no prompt" in message
     assert "my_missing_package" in message and "does not answer" in message
 

@@ -1,0 +1,61 @@
+"""Multi-turn rollouts in an environment, end to end: the tool task with its cold start from
+demonstrations, per-turn advantages under GSPO-token, R3 replay of the per-turn routes, and
+evaluation through the environment; and the cpu_tool_use preset learning to use its tool."""
+
+from __future__ import annotations
+
+from .harness import TINY, assert_records_equal, assert_required_metrics, run_train
+
+TOOL_TASK = (
+    "data.task=multiply",
+    "model.vocab_size=24",
+    "env.name=multiply_tool",
+    "env.max_turns=3",
+    "env.max_tokens_per_turn=12",
+    "+env.options.isolation=none",  # the sandbox itself: tests/envs/test_tools.py
+    "reward.functions=[]",
+    "algo.response_length=32",
+    "logging.progress_bar=false",
+)
+
+
+def test_tool_task_with_turn_advantages_r3_and_evaluation(tmp_path):
+    run = run_train(
+        tmp_path / "out",
+        [
+            "steps=2",
+            *TOOL_TASK,
+            "sft_warmup_steps=2",
+            "algo.rollout_batch_size=2",
+            "algo.num_return_sequences_in_group=4",
+            "algo.num_mini_batches=2",
+            "algo.importance_sampling=seq_token",
+            "algo.advantage_level=turn",
+            "algo.routing_replay=r3",
+            "+env.options.call_reward=0.1",
+            "eval.interval=2",
+            "eval.num_samples=2",
+            "data.num_eval_prompts=2",
+        ],
+    )
+    records = run.metrics()
+    assert_required_metrics(records, steps=2)
+    for record in records:
+        assert 1.0 <= record["env/turns_mean"] <= 3.0
+        assert 0.0 <= record["env/tool_success_frac"] <= 1.0
+        assert record["env/step_errors"] == 0.0
+        # Trainer and engine agree on every model token of every turn (R3, same weights).
+        assert record["rollout_log_prob_abs_diff"] < 1e-4, record["rollout_log_prob_abs_diff"]
+    assert "sft_warmup_nll_first" in records[0]
+    assert 0.0 <= records[1]["eval/greedy_accuracy"] <= 1.0
+
+
+def test_the_single_turn_environment_trains_exactly_as_without_one(gspo_run, tmp_path):
+    """The environment path (one engine call per turn, explicit masks, turn fields, the
+    environment producer's scoring) with the one-turn environment: every metric of the run
+    without an environment, bit for bit (plus the env/ metrics)."""
+    run = run_train(tmp_path / "out", ["steps=2", *TINY, "env.name=single_turn"])
+    records = run.metrics()
+    assert len(records) == 2 and all(r["env/turns_mean"] == 1.0 for r in records)
+    for reference, actual in zip(gspo_run.metrics(), records):
+        assert_records_equal(reference, actual)
