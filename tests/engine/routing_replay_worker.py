@@ -133,6 +133,20 @@ def _prepare(engine: TrainEngine, samples: list[TrainSample], record: bool = Tru
             sample.old_routes = old.routes[index]
 
 
+def rollout_samples(requests: list, results: list) -> list[TrainSample]:
+    """Train samples of the embedded engine's answers: its log-probs and routes as the rollout's."""
+    return [
+        TrainSample(
+            tokens=torch.tensor(list(request.input_ids) + result.output_ids),
+            prompt_length=len(request.input_ids),
+            advantages=torch.tensor(1.0),
+            rollout_log_probs=torch.from_numpy(result.output_log_probs),
+            rollout_routes=torch.from_numpy(result.routed_experts),
+        )
+        for request, result in zip(requests, results)
+    ]
+
+
 def _expect_error(function, *fragments: str) -> None:
     try:
         function()
@@ -268,17 +282,7 @@ def check_r3_log_probs_match_the_embedded_engine() -> None:
         )
         for i in range(6)
     ]
-    samples = []
-    for request, result in zip(requests, rollout.generate(requests)):
-        samples.append(
-            TrainSample(
-                tokens=torch.tensor(list(request.input_ids) + result.output_ids),
-                prompt_length=len(request.input_ids),
-                advantages=torch.tensor(1.0),
-                rollout_log_probs=torch.from_numpy(result.output_log_probs),
-                rollout_routes=torch.from_numpy(result.routed_experts),
-            )
-        )
+    samples = rollout_samples(requests, rollout.generate(requests))
     rollout.close()
     _prepare(engine, samples)
     gap = max((s.old_log_probs - s.rollout_log_probs).abs().max().item() for s in samples)
@@ -317,20 +321,9 @@ def check_bf16_engine_gap_r3_below_r2() -> None:
                 )
                 for i in range(8)
             ]
-            generated = [
-                (request, result) for request, result in zip(requests, rollout.generate(requests))
-            ]
+            results_of_engine = rollout.generate(requests)
             rollout.close()
-        samples = [
-            TrainSample(
-                tokens=torch.tensor(list(request.input_ids) + result.output_ids),
-                prompt_length=len(request.input_ids),
-                advantages=torch.tensor(1.0),
-                rollout_log_probs=torch.from_numpy(result.output_log_probs),
-                rollout_routes=torch.from_numpy(result.routed_experts),
-            )
-            for request, result in generated
-        ]
+        samples = rollout_samples(requests, results_of_engine)
         _prepare(engine, samples)
         gap = torch.cat([(s.old_log_probs - s.rollout_log_probs).abs() for s in samples])
         metrics = engine.forward_backward(samples)
