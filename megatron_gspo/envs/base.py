@@ -26,13 +26,13 @@ trajectory is then aborted (kept out of the loss) and counted in ``env/step_erro
 from __future__ import annotations
 
 import abc
-import importlib
 import inspect
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Optional
 
 from megatron_gspo.config import ConfigError
+from megatron_gspo.import_paths import load_named_callable
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -134,32 +134,14 @@ def load_environment(spec: EnvironmentSpec) -> EnvironmentFactory:
     A factory with a ``check(**options)`` attribute (a classmethod) is asked at start whether it
     can work here (the tool environments check the sandbox), and raises ConfigError if not."""
     key = f"env.name={spec.name!r}"
-    if spec.name not in BUILTIN_ENVIRONMENTS and ":" not in spec.name:
-        raise ConfigError(
-            "env.name",
-            f"unknown environment {spec.name!r}",
-            f"valid names are the built-ins {', '.join(sorted(BUILTIN_ENVIRONMENTS))}, or an "
-            "import path 'package.module:Class'",
-            "use a built-in name, or write your environment's import path",
-        )
-    module_name, _, attribute = spec.import_path.partition(":")
-    try:
-        module = importlib.import_module(module_name)
-    except Exception as error:  # any import-time failure of user code lands here
-        raise ConfigError(
-            "env.name",
-            f"cannot import module {module_name!r}: {type(error).__name__}: {error}",
-            "the module named before ':' must be importable from the trainer's Python path",
-            "install the package, or add its directory to PYTHONPATH",
-        ) from error
-    factory = getattr(module, attribute, None)
-    if not callable(factory):
-        raise ConfigError(
-            "env.name",
-            f"module {module_name!r} has no class or function {attribute!r}",
-            "the name after ':' is looked up in the module",
-            "check the spelling of the import path",
-        )
+    factory = load_named_callable(
+        "env.name",
+        spec.name,
+        BUILTIN_ENVIRONMENTS,
+        "environment",
+        "class or function",
+        placeholder="Class",
+    )
     _check_options(key, factory, spec.options)
     check = getattr(factory, "check", None)
     if callable(check):

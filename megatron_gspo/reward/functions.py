@@ -16,13 +16,13 @@ Names: a built-in (:data:`BUILTIN_REWARDS`) or an import path ``package.module:f
 from __future__ import annotations
 
 import functools
-import importlib
 import inspect
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from megatron_gspo.config import ConfigError
+from megatron_gspo.import_paths import load_named_callable
 
 
 @dataclass(frozen=True)
@@ -83,32 +83,9 @@ def load_reward_function(spec: RewardSpec) -> Callable[[RewardInput], float]:
     """The callable for ``spec`` with its options bound; a :class:`ConfigError` for an unknown name,
     a failing import or an option the function does not take."""
     key = f"reward.functions[{spec.name!r}]"
-    if spec.name not in BUILTIN_REWARDS and ":" not in spec.name:
-        raise ConfigError(
-            key,
-            f"unknown reward function {spec.name!r}",
-            f"valid names are the built-ins {', '.join(sorted(BUILTIN_REWARDS))}, or an import "
-            "path 'package.module:function'",
-            "use one of the built-in names, or write your function's import path",
-        )
-    module_name, _, attribute = spec.import_path.partition(":")
-    try:
-        module = importlib.import_module(module_name)
-    except Exception as error:  # any import-time failure of user code lands here
-        raise ConfigError(
-            key,
-            f"cannot import module {module_name!r}: {type(error).__name__}: {error}",
-            "the module named before ':' must be importable from the trainer's Python path",
-            "install the package, or add its directory to PYTHONPATH",
-        ) from error
-    function = getattr(module, attribute, None)
-    if not callable(function):
-        raise ConfigError(
-            key,
-            f"module {module_name!r} has no function {attribute!r}",
-            "the name after ':' is looked up in the module",
-            f"check the spelling; the module defines: {_public_callables(module)}",
-        )
+    function = load_named_callable(
+        key, spec.name, BUILTIN_REWARDS, "reward function", "function", placeholder="function"
+    )
     _check_options(key, function, spec.options)
     return functools.partial(function, **spec.options) if spec.options else function
 
@@ -136,17 +113,6 @@ def _check_options(key: str, function: Callable, options: Mapping[str, Any]) -> 
             "options are passed to the function as keyword arguments",
             f"valid options: {', '.join(keywords) or '(none)'}",
         )
-
-
-def _public_callables(module: Any) -> str:
-    names = [
-        name
-        for name, value in vars(module).items()
-        if inspect.isfunction(value)
-        and value.__module__ == module.__name__
-        and not name.startswith("_")
-    ]
-    return ", ".join(sorted(names)[:20]) or "(no functions)"
 
 
 def reward_specs(
