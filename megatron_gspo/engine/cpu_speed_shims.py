@@ -2,7 +2,8 @@
 same operations done once or batched, bit-identical to upstream (7b: no dynamo trace of the
 router's no-op expert-bias update; 11: the local experts without per-expert modules,
 ``engine/experts.py``; 12: packed RoPE tables once per micro-batch; 13: no gradient all-reduce
-over a data-parallel group of one). Registered like the others
+over a data-parallel group of one; 14: no per-step walk over every module when nothing is to be
+reset; 15: no grad-norm all-reduce over a model-parallel group of one). Registered like the others
 (:func:`megatron_gspo.engine.compat.cpu_shim`); section numbers and reasons:
 ``docs/megatron-cpu.md``; measurements: benchmarks/README.md, "vs TRL".
 """
@@ -10,6 +11,7 @@ over a data-parallel group of one). Registered like the others
 from __future__ import annotations
 
 import functools
+import importlib
 import inspect
 import logging
 from collections.abc import Callable
@@ -263,3 +265,97 @@ def _shim_lone_grad_sync() -> None:
     _ParamAndGradBucketGroup.start_grad_sync = _skipping_lone_grad_sync(
         _ParamAndGradBucketGroup.start_grad_sync
     )
+
+
+# ---------------------------------------------------------------------------------------------
+# 14. The per-step walk over every module to reset MoE temporary tensors
+# ---------------------------------------------------------------------------------------------
+
+
+def _resets_temporary_tensors(config: Any) -> bool:
+    """Whether upstream's ``reset_model_temporary_tensors`` can change anything under ``config``:
+    its loop body acts only with expert bias or a global aux loss (the same two tests)."""
+    balancing = config.moe_router_load_balancing_type
+    return bool(config.moe_router_enable_expert_bias) or (
+        balancing == "global_aux_loss" or "global_aux_loss" in balancing
+    )
+
+
+def _skipping_idle_temporary_reset(reset: Callable) -> Callable:
+    if getattr(reset, "_cpu_shim", False):
+        return reset
+
+    @functools.wraps(reset)
+    def reset_if_any(config: Any, model: list) -> None:
+        if _resets_temporary_tensors(config):
+            reset(config, model)
+
+    reset_if_any._cpu_shim = True
+    return reset_if_any
+
+
+@cpu_shim(
+    "idle_temporary_reset",
+    "distributed.finalize_model_grads.reset_model_temporary_tensors (called by "
+    "finalize_model_grads once per optimizer step: a walk over every module of the model, "
+    "~1000 at the vs-TRL medium size, testing two settings per module that are the same for all)",
+)
+def _shim_idle_temporary_reset() -> None:
+    """The walk is skipped when neither expert bias nor a global aux loss is configured: then
+    upstream's loop body does nothing for any module."""
+    # The package re-exports the function under the module's name: import the module itself.
+    finalize = importlib.import_module("megatron.core.distributed.finalize_model_grads")
+    finalize.reset_model_temporary_tensors = _skipping_idle_temporary_reset(
+        finalize.reset_model_temporary_tensors
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# 15. The grad-norm all-reduce over a model-parallel group of one
+# ---------------------------------------------------------------------------------------------
+
+
+def _local_grad_norm(get_grad_norm_fp32: Callable) -> Callable:
+    if getattr(get_grad_norm_fp32, "_cpu_shim", False):
+        return get_grad_norm_fp32
+    from megatron.core.optimizer import clip_grads
+
+    @functools.wraps(get_grad_norm_fp32)
+    def grad_norm(
+        grads_for_norm: Any, norm_type: Any = 2, grad_stats_parallel_group: Any = None
+    ) -> float:
+        grads = [grads_for_norm] if isinstance(grads_for_norm, torch.Tensor) else grads_for_norm
+        if (
+            float(norm_type) != 2.0
+            or grad_stats_parallel_group is None
+            or grad_stats_parallel_group.size() != 1
+            or any(type(grad) is not torch.Tensor for grad in grads)  # DTensors: upstream
+        ):
+            return get_grad_norm_fp32(grads_for_norm, norm_type, grad_stats_parallel_group)
+        # Upstream's L2 branch for plain tensors, less its sum over a group of this rank alone.
+        if grads:
+            overflow = torch.zeros(1, dtype=torch.int)
+            norm, _ = clip_grads.multi_tensor_applier(
+                clip_grads.l2_norm_impl, overflow, [grads], False
+            )
+        else:
+            norm = torch.zeros(1, dtype=torch.float)
+        return (norm**2.0).item() ** (1.0 / 2.0)
+
+    grad_norm._cpu_shim = True
+    return grad_norm
+
+
+@cpu_shim(
+    "lone_grad_norm",
+    "optimizer.clip_grads.get_grad_norm_fp32 as bound in optimizer.optimizer (the optimizers' "
+    "get_grad_norm: per step and sub-optimizer a gloo all-reduce of the squared norm over the "
+    "model-parallel group, also when that group is this rank alone, and a no-grad context per "
+    "gradient to unwrap DTensors)",
+)
+def _shim_lone_grad_norm() -> None:
+    """Over a model-parallel group of one rank and plain gradient tensors, the L2 norm is
+    upstream's local norm without the all-reduce (a sum over one value: the same number)."""
+    from megatron.core.optimizer import optimizer
+
+    optimizer.get_grad_norm_fp32 = _local_grad_norm(optimizer.get_grad_norm_fp32)

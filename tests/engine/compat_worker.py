@@ -52,6 +52,9 @@ def need_probes() -> dict:
     from megatron.core.transformer.moe.experts import SequentialMLP
     from megatron.core.transformer.moe.router import TopKRouter
 
+    finalize_model_grads = importlib.import_module("megatron.core.distributed.finalize_model_grads")
+    optimizer_module = importlib.import_module("megatron.core.optimizer.optimizer")
+
     def allocates_on_cuda(module_name: str) -> bool:
         return bool(CUDA_LITERAL.search(inspect.getsource(importlib.import_module(module_name))))
 
@@ -119,6 +122,21 @@ def need_probes() -> dict:
             and ".size() == 1"
             not in inspect.getsource(param_and_grad_buffer._ParamAndGradBucketGroup.start_grad_sync)
         ),
+        # The all-reduce of the squared norm runs whatever the group's size.
+        "lone_grad_norm": lambda: (
+            "torch.distributed.all_reduce(\n            total_norm, op=torch.distributed.ReduceOp.SUM, "
+            "group=grad_stats_parallel_group"
+            in inspect.getsource(clip_grads.get_grad_norm_fp32)
+            and ".size() == 1" not in inspect.getsource(clip_grads.get_grad_norm_fp32)
+            and "get_grad_norm_fp32(" in inspect.getsource(optimizer_module.MegatronOptimizer)
+        ),
+        # The walk runs whatever the settings, and finalize_model_grads calls it every step.
+        "idle_temporary_reset": lambda: (
+            "for module in get_attr_wrapped_model(model_chunk, 'modules')()"
+            in inspect.getsource(finalize_model_grads.reset_model_temporary_tensors)
+            and "reset_model_temporary_tensors(config, model)"
+            in inspect.getsource(finalize_model_grads.finalize_model_grads)
+        ),
     }
 
 
@@ -173,6 +191,63 @@ def works_checks() -> dict:
         clip_grads.clip_grad_by_total_norm_fp32([param], max_norm=1.0, total_norm=norm)
         return abs(norm - 6.0) < 1e-6 and torch.allclose(
             param.grad, torch.full((4,), 0.5), atol=1e-6
+        )
+
+    def lone_grad_norm() -> bool:
+        """The shimmed norm equals upstream's (all-reduce over the one-rank world included) bit
+        for bit, for a list, a single tensor and no tensor at all."""
+        optimizer_module = importlib.import_module("megatron.core.optimizer.optimizer")
+        shimmed = optimizer_module.get_grad_norm_fp32
+        generator = torch.Generator().manual_seed(0)
+        grads = [torch.randn(shape, generator=generator) for shape in ((7, 3), (5,), (2, 2, 2))]
+        group = dist.group.WORLD
+        cases = (grads, grads[0], [])
+        return (
+            getattr(shimmed, "_cpu_shim", False)
+            and group.size() == 1
+            and all(
+                shimmed(case, grad_stats_parallel_group=group)
+                == clip_grads.get_grad_norm_fp32(case, grad_stats_parallel_group=group)
+                for case in cases
+            )
+        )
+
+    def idle_temporary_reset() -> bool:
+        """Upstream's reset still runs (and zeroes the expert-bias counters) with expert bias or a
+        global aux loss; with neither, the model's modules are not walked at all."""
+        from types import SimpleNamespace
+
+        finalize = importlib.import_module("megatron.core.distributed.finalize_model_grads")
+
+        class Router(torch.nn.Module):
+            def __init__(self) -> None:
+                super().__init__()
+                self.expert_bias = torch.zeros(2)
+                self.local_tokens_per_expert = torch.ones(2)
+                self.global_tracker_resets = 0
+
+            def reset_global_aux_loss_tracker(self) -> None:
+                self.global_tracker_resets += 1
+
+        class Unwalkable(torch.nn.Module):
+            def modules(self):
+                raise AssertionError("walked although nothing can be reset")
+
+        def settings(bias: bool, balancing) -> SimpleNamespace:
+            return SimpleNamespace(
+                moe_router_enable_expert_bias=bias, moe_router_load_balancing_type=balancing
+            )
+
+        reset = finalize.reset_model_temporary_tensors
+        biased, global_loss = Router(), Router()
+        reset(settings(True, "aux_loss"), [torch.nn.Sequential(biased)])
+        reset(settings(False, ["aux_loss", "global_aux_loss"]), [torch.nn.Sequential(global_loss)])
+        for balancing in ("aux_loss", "none", ["aux_loss", "seq_aux_loss"]):
+            reset(settings(False, balancing), [Unwalkable()])
+        return (
+            getattr(reset, "_cpu_shim", False)
+            and not biased.local_tokens_per_expert.any()
+            and global_loss.global_tracker_resets == 1
         )
 
     def rope_tables() -> bool:
@@ -245,6 +320,8 @@ def works_checks() -> dict:
         "lone_grad_sync": lambda: getattr(
             _ParamAndGradBucketGroup.start_grad_sync, "_cpu_shim", False
         ),
+        "idle_temporary_reset": idle_temporary_reset,
+        "lone_grad_norm": lone_grad_norm,
     }
 
 
