@@ -15,9 +15,13 @@ times, on the vs-TRL job's shapes (64 samples of 9 prompt + R response tokens, 4
 With ``--profile`` the torch profiler records ``--profile-steps`` training steps and prints where
 they go: time per module type (forward, inclusive, from forward hooks), the top operators by
 self CPU time, and the share of the step spent outside any operator (Python and framework
-overhead).
+overhead). Those are wall times: on a shared machine other processes inflate them. With
+``--cprofile`` Python's profiler, timed by this process's CPU clock, records the same steps and
+prints the functions with the most self and inclusive CPU time: where the step's CPU time goes
+(kernels appear as the Python calls that launch them) whatever else the machine runs.
 
     python benchmarks/train_step_profile.py --size medium --profile
+    python benchmarks/train_step_profile.py --size medium --cprofile --skip-hf
 """
 
 from __future__ import annotations
@@ -180,7 +184,7 @@ class ModuleTimer:
             setattr(cls, name, original)
 
 
-def time_ours(samples: list, cfg, steps: int, profile: int) -> dict[str, Any]:
+def time_ours(samples: list, cfg, steps: int, profile: int, cprofile: int) -> dict[str, Any]:
     from megatron_gspo.engine import TrainEngine
     from megatron_gspo.engine.model import unwrap
 
@@ -211,10 +215,16 @@ def time_ours(samples: list, cfg, steps: int, profile: int) -> dict[str, Any]:
             profile,
             unwrap(engine.model[0]),
         )
+    if cprofile:
+        result["cprofile"] = cprofile_steps(
+            lambda batch: engine.optimizer_step(engine.forward_backward(batch)), batches, cprofile
+        )
     return result
 
 
-def time_hf(samples: list, size_name: str, steps: int, profile: int) -> dict[str, Any]:
+def time_hf(
+    samples: list, size_name: str, steps: int, profile: int, cprofile: int
+) -> dict[str, Any]:
     """The transformers model, trained with plain autograd as TRL trains it."""
     import torch
 
@@ -249,6 +259,8 @@ def time_hf(samples: list, size_name: str, steps: int, profile: int) -> dict[str
     result: dict[str, Any] = {"train": statistics.median(times)}
     if profile:
         result["profile"] = profile_steps(train, batches, profile, model)
+    if cprofile:
+        result["cprofile"] = cprofile_steps(train, batches, cprofile)
     return result
 
 
@@ -290,6 +302,52 @@ def profile_steps(train, batches: list, steps: int, model) -> dict[str, Any]:
     }
 
 
+def cprofile_steps(train, batches: list, steps: int, top: int = 25) -> dict[str, Any]:
+    """Profile ``steps`` training steps with ``cProfile`` timed by the process CPU clock: the
+    functions with the most self time and with the most inclusive time, seconds per step."""
+    import cProfile
+    import pstats
+
+    profiler = cProfile.Profile(time.process_time)
+    start = time.process_time()
+    profiler.enable()
+    for step in range(steps):
+        train(batches[step % len(batches)])
+    profiler.disable()
+    total = (time.process_time() - start) / steps
+    stats = pstats.Stats(profiler).stats  # (file, line, name) -> (cc, nc, tottime, cumtime, ...)
+
+    def label(key: tuple) -> str:
+        filename, line, name = key
+        if filename == "~":  # a builtin or C function: name is "<method 'x' of 'y' objects>"
+            return name
+        parts = Path(filename).parts
+        short = "/".join(parts[-2:])
+        return f"{short}:{line}({name})"
+
+    rows = [
+        (label(key), value[2] / steps, value[3] / steps, value[1] // steps)
+        for key, value in stats.items()
+    ]
+    return {
+        "step_cpu_s_profiled": total,
+        "self": sorted(rows, key=lambda row: -row[1])[:top],
+        "inclusive": sorted(rows, key=lambda row: -row[2])[:top],
+    }
+
+
+def print_cprofile(title: str, profile: dict[str, Any]) -> None:
+    total = profile["step_cpu_s_profiled"]
+    print(f"\n{title}: {total * 1e3:.1f} ms CPU per training step under cProfile")
+    for kind, column in (("self", 1), ("inclusive", 2)):
+        print(f"  top functions by {kind} CPU time (ms per step, share, calls per step):")
+        for row in profile[kind]:
+            print(
+                f"    {row[column] * 1e3:8.2f}  {100 * row[column] / total:5.1f}%  "
+                f"{row[3]:6d}  {row[0]}"
+            )
+
+
 def print_profile(title: str, profile: dict[str, Any]) -> None:
     wall = profile["step_s_profiled"]
     outside = profile["outside_operators_s"]
@@ -316,6 +374,9 @@ def main() -> int:
     )
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--profile", action="store_true", help="print a torch profile")
+    parser.add_argument(
+        "--cprofile", action="store_true", help="print a cProfile by process CPU time"
+    )
     parser.add_argument("--profile-steps", type=int, default=4)
     parser.add_argument("--wall", action="store_true", help="time by wall clock, not CPU time")
     parser.add_argument("--skip-hf", action="store_true", help="only our trainer")
@@ -334,9 +395,14 @@ def main() -> int:
     )
     flops_mini = flops_step / MINI_BATCHES
     peak = matmul_peak()
-    profile_steps_count = args.profile_steps if args.profile else 0
-    ours = time_ours(samples, make_config(args.size), args.steps, profile_steps_count)
-    hf = None if args.skip_hf else time_hf(samples, args.size, args.steps, profile_steps_count)
+    profile_count = args.profile_steps if args.profile else 0
+    cprofile_count = args.profile_steps if args.cprofile else 0
+    ours = time_ours(samples, make_config(args.size), args.steps, profile_count, cprofile_count)
+    hf = (
+        None
+        if args.skip_hf
+        else time_hf(samples, args.size, args.steps, profile_count, cprofile_count)
+    )
     peak_after = matmul_peak()
     suffix = "" if args.wall else "_cpu"
     fp32 = max(peak["fp32_gflops" + suffix], peak_after["fp32_gflops" + suffix])
@@ -374,6 +440,10 @@ def main() -> int:
         print_profile("ours", ours["profile"])
         if hf is not None:
             print_profile("HF autograd", hf["profile"])
+    if args.cprofile:
+        print_cprofile("ours", ours["cprofile"])
+        if hf is not None:
+            print_cprofile("HF autograd", hf["cprofile"])
     return 0
 
 
