@@ -1,5 +1,6 @@
 """Write ``docs/configuration.md``, the reference of every configuration key, from
-``megatron_gspo/config.py`` (the dataclasses, their defaults and the docstrings under each field).
+``megatron_gspo/config.py`` and the section modules it imports (the dataclasses, their defaults
+and the docstrings under each field).
 
     python tools/config_docs.py            # rewrite docs/configuration.md
     python tools/config_docs.py --check    # exit 1 if it differs from what config.py says
@@ -13,6 +14,7 @@ from __future__ import annotations
 import argparse
 import ast
 import dataclasses
+import inspect
 import sys
 import typing
 from pathlib import Path
@@ -23,16 +25,15 @@ sys.path.insert(0, str(REPO_ROOT))
 
 from megatron_gspo import config as config_module  # noqa: E402
 
-CONFIG_SOURCE = Path(config_module.__file__)
 OUTPUT = REPO_ROOT / "docs" / "configuration.md"
 
 HEADER = """\
 # Configuration reference
 
 Every key of the configuration tree, its type, its default and what it means. This page is
-generated from `megatron_gspo/config.py` by `python tools/config_docs.py` (a test fails when they
-differ): the defaults live only there, each with its source where it comes from a paper or a peer
-framework.
+generated from `megatron_gspo/config.py` (and the sections it imports, `config_model.py` and
+`config_algo.py`) by `python tools/config_docs.py` (a test fails when they differ): the defaults
+live only there, each with its source where it comes from a paper or a peer framework.
 
 Set keys on the command line with Hydra's grammar (`algo.clip_low=3e-4`, `parallel.tp=2`,
 `'reward.functions=[math,format]'`, `null` for None) or in a preset YAML
@@ -43,11 +44,19 @@ what is wrong, why, and how to fix it.
 """
 
 
-def field_docstrings(class_name: str) -> dict[str, str]:
-    """The string literal under each field of ``class_name`` in config.py (attribute
-    docstrings are not kept at runtime, so they are read from the source)."""
-    tree = ast.parse(CONFIG_SOURCE.read_text())
+def class_node(class_name: str) -> ast.ClassDef:
+    """The source of the config class ``class_name``, from the module that defines it
+    (config.py or one of the section modules it imports)."""
+    source = Path(inspect.getsourcefile(getattr(config_module, class_name)))
+    tree = ast.parse(source.read_text())
     (node,) = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == class_name]
+    return node
+
+
+def field_docstrings(class_name: str) -> dict[str, str]:
+    """The string literal under each field of ``class_name`` (attribute docstrings are not
+    kept at runtime, so they are read from the source)."""
+    node = class_node(class_name)
     docs: dict[str, str] = {}
     body = node.body
     for statement, following in zip(body, body[1:] + [None]):
@@ -63,8 +72,7 @@ def field_docstrings(class_name: str) -> dict[str, str]:
 
 
 def annotations(class_name: str) -> dict[str, str]:
-    tree = ast.parse(CONFIG_SOURCE.read_text())
-    (node,) = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == class_name]
+    node = class_node(class_name)
     return {
         statement.target.id: ast.unparse(statement.annotation)
         for statement in node.body

@@ -1,0 +1,571 @@
+"""The configuration of the algorithm (``algo.*``: advantages, the policy loss, KL, rollout
+corrections, routing replay) and its translation into the algorithm core's settings objects; part
+of the one configuration tree, :mod:`megatron_gspo.config`, whose rules hold here: every default
+lives here once, with its source."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Optional
+
+from megatron_gspo.config_schema import ConfigError, _check_choice, _check_positive, _warn
+
+if TYPE_CHECKING:
+    from megatron_gspo.algo import AdvantageSettings, PolicyLossSettings, RolloutCorrection
+
+
+# --------------------------------------------------------------------------------------------
+# Algorithm
+# --------------------------------------------------------------------------------------------
+
+IMPORTANCE_SAMPLING = ("seq", "seq_token", "token")
+ADV_ESTIMATORS = ("grpo", "dr_grpo", "reinforce", "rloo")
+LOSS_AGG_MODES = (
+    "token-mean",
+    "seq-mean-token-sum",
+    "seq-mean-token-mean",
+    "seq-mean-token-sum-norm",
+    "dr-grpo",
+)
+KL_ESTIMATORS = ("k1", "k2", "k3")
+OLD_LOG_PROB_SOURCES = ("recompute", "rollout", "detach")
+ROUTING_REPLAY_MODES = ("none", "r2", "r3")
+
+
+SURROGATES = ("clip", "cispo", "gmpo")
+CORRECTION_LEVELS = ("none", "token", "sequence")
+CORRECTION_MODES = ("truncate", "mask")
+CORRECTION_BOUNDS = {
+    # (level, mode): (low, high) used when algo.rollout_correction.low / high are null.
+    ("token", "truncate"): (None, 2.0),
+    # TIS: C = 2, Yao et al. 2025 ("Your Efficient RL Framework Secretly Brings You Off-Policy
+    # RL Training"), slime --tis-clip 2.0, verl rollout_is_threshold 2.0.
+    ("token", "mask"): (0.5, 5.0),
+    # IcePop's [alpha, beta] = [0.5, 5] (Ling team 2025; verl's IcePop example "0.5_5.0").
+    ("sequence", "truncate"): (None, 2.0),
+    # slime mis.py (level geometric, mode truncate) keeps the token cap, C = 2.
+    ("sequence", "mask"): (0.999, 1.001),
+    # verl's geometric rejection (Geo-RS) default "0.999_1.001"; NeMo-RL's seq-mask-tis examples
+    # use [0.999, 1.002]. A geometric mean per token stays close to 1, hence the tight band.
+}
+
+
+@dataclass
+class RolloutCorrectionConfig:
+    """Importance-sampling correction between the trainer's old policy and the rollout engine's
+    behaviour policy (the engine's per-token log-probs): what fixes the training-inference
+    mismatch of a bf16 engine (``rollout.dtype``) or of SGLang. Formulas and sources:
+    docs/algorithms.md, "Rollout corrections"; the implementation is
+    :mod:`megatron_gspo.algo.corrections`."""
+
+    level: str = "none"
+    """none (off), token (one weight per token: TIS / MIS) or sequence (the geometric mean
+    ``exp(mean_t log(pi_old / mu))``, one weight per sequence -- never the product)."""
+    mode: str = "truncate"
+    """truncate: the weight is ``min(ratio, high)`` (TIS); mask: tokens (or whole sequences) whose
+    ratio lies outside ``[low, high]`` get weight 0 and keep their place in the loss denominators
+    (MIS; IcePop's two-sided mask)."""
+    low: Optional[float] = None
+    """Lower bound of mask (must stay null for truncate, which caps from above only); null: 0.5
+    for token (IcePop), 0.999 for sequence (verl Geo-RS)."""
+    high: Optional[float] = None
+    """The cap of truncate, the upper bound of mask; null: 2 for truncate (TIS, Yao et al. 2025;
+    slime, verl), 5 for token mask (IcePop), 1.001 for sequence mask (verl Geo-RS)."""
+
+    def __post_init__(self) -> None:
+        key = "algo.rollout_correction"
+        _check_choice(f"{key}.level", self.level, CORRECTION_LEVELS, "none, token or sequence")
+        _check_choice(f"{key}.mode", self.mode, CORRECTION_MODES, "truncate or mask")
+        if self.level == "none":
+            return
+        low, high = self.bounds
+        if self.mode == "truncate":
+            if self.low is not None:
+                raise ConfigError(
+                    f"{key}.low",
+                    f"low={self.low} with mode=truncate",
+                    "truncation caps the weight from above only (TIS: min(ratio, high))",
+                    f"remove {key}.low, or use mode=mask to drop tokens below it",
+                )
+            if not high >= 1:
+                raise ConfigError(
+                    f"{key}.high",
+                    f"high={high} < 1 with mode=truncate",
+                    "a cap below 1 shrinks every on-policy token's weight",
+                    "set high >= 1 (TIS uses 2)",
+                )
+        elif not 0 <= low < 1 < high:
+            raise ConfigError(
+                f"{key}.low/high",
+                f"[low, high] = [{low}, {high}] does not contain 1 strictly inside",
+                "a token whose engine and trainer agree (ratio 1) must be kept",
+                "set 0 <= low < 1 < high (IcePop uses [0.5, 5], verl's Geo-RS [0.999, 1.001])",
+            )
+
+    @property
+    def enabled(self) -> bool:
+        return self.level != "none"
+
+    @property
+    def bounds(self) -> tuple[Optional[float], float]:
+        """``(low, high)`` with the defaults of :data:`CORRECTION_BOUNDS` filled in."""
+        default_low, default_high = CORRECTION_BOUNDS[(self.level, self.mode)]
+        low = self.low if self.low is not None else default_low
+        return low, (self.high if self.high is not None else default_high)
+
+    def correction(self) -> Optional[RolloutCorrection]:
+        """The algorithm core's :class:`~megatron_gspo.algo.RolloutCorrection`, or None (off)."""
+        if not self.enabled:
+            return None
+        from megatron_gspo.algo import RolloutCorrection
+
+        low, high = self.bounds
+        return RolloutCorrection(level=self.level, mode=self.mode, low=low, high=high)
+
+
+@dataclass
+class AlgoConfig:
+    """GSPO / GRPO settings. Key names and meanings follow ROLL's documentation (docs of
+    alibaba/ROLL, "GSPO"), except where a docstring says otherwise.
+
+    ``importance_sampling`` selects the policy loss: ``seq`` is GSPO (sequence ratio), ``seq_token``
+    is GSPO-token, ``token`` is GRPO/PPO (token ratio). It is the only switch between them.
+    """
+
+    importance_sampling: str = "seq"
+    """seq (GSPO), seq_token (GSPO-token) or token (GRPO/PPO): the ratio of the policy loss."""
+    adv_estimator: str = "grpo"
+    """grpo: (r - group mean) / (group std + eps); dr_grpo: r - group mean (Dr.GRPO, Liu et al.
+    2025); reinforce: r - baseline (``reinforce_baseline``; ROLL uses none and relies on
+    whitening); rloo: r - mean of the other samples of the group."""
+    rollout_batch_size: int = 32
+    """Prompts per step (ROLL meaning). Samples per step = rollout_batch_size x group size."""
+    num_return_sequences_in_group: int = 8
+    """Responses sampled per prompt (the group)."""
+    prompt_length: int = 64
+    """Longest prompt in tokens; longer prompts are filtered out and counted, never truncated."""
+    response_length: int = 10
+    """Most tokens generated per response; also the constant T_norm of the seq-mean-token-sum-norm
+    and dr-grpo aggregations."""
+    ppo_epochs: int = 1
+    """Passes over each rollout batch."""
+    num_mini_batches: int = 4
+    """Optimizer steps per epoch: the rollout batch is cut into this many mini-batches. The GSPO
+    paper splits each rollout batch into 4 (arXiv 2507.18071 v2, section 5.1)."""
+    clip_low: float = 3e-4
+    """Lower clip range eps_low: ratio >= 1 - clip_low. GSPO paper: 3e-4 (section 5.1); the paper's
+    GRPO baseline uses 0.2."""
+    clip_high: float = 4e-4
+    """Upper clip range eps_high: ratio <= 1 + clip_high. GSPO paper: 4e-4; GRPO baseline 0.27."""
+    dual_clip_loss: bool = False
+    """Dual clip for negative advantages (Ye et al. 2020): the per-token loss is capped at
+    -dual_clip_constant * A. Unlike ROLL, the constant is its own parameter."""
+    dual_clip_constant: float = 3.0
+    """c of dual clip (Ye et al. 2020 use 3); must exceed 1 + clip_high."""
+    loss_agg_mode: str = "seq-mean-token-mean"
+    """token-mean (sum / tokens), seq-mean-token-sum (sum / sequences), seq-mean-token-mean (mean
+    over sequences of each one's token mean), seq-mean-token-sum-norm (sum / response_length, as
+    ROLL and verl; no division by the sequences) or dr-grpo (sum / (sequences x response_length),
+    TRL's dr_grpo). GSPO's objective is seq-mean-token-mean."""
+    use_kl_loss: bool = False
+    """Add kl_loss_coef x KL(policy || reference) to the loss (builds a frozen reference model).
+    The GSPO authors run without it."""
+    kl_loss_coef: float = 0.001
+    """ROLL's default."""
+    kl_estimator: str = "k3"
+    """Estimator of the KL loss: k1 = lp - ref, k2 = (lp - ref)^2 / 2, k3 = exp(ref - lp) - (ref -
+    lp) - 1 (Schulman 2020). ROLL hard-wires k3."""
+    kl_clamp: Optional[float] = 10.0
+    """Cap of the k3 estimate per token, clamp(k3, -kl_clamp, kl_clamp), in the KL loss and the
+    KL-in-reward term: verl's and slime's low_var_kl and ROLL's k3 clamp at 10. Beyond the cap a
+    token adds no KL gradient (without it, up to e^20 x the coefficient). null: no cap. k1 and k2
+    are never capped."""
+    add_token_level_kl: bool = False
+    """Subtract token_level_kl_coef x KL(old || ref) from the reward at every token (ROLL
+    meaning); advantages become per token, so GSPO-token is the GSPO variant that uses them."""
+    token_level_kl_coef: float = 0.2
+    """Coefficient of the KL-in-reward term (ROLL's init_kl_coef default)."""
+    token_level_kl_estimator: str = "k1"
+    """Estimator of the KL-in-reward term (ROLL's kl_penalty default, k1)."""
+    entropy_coef: float = 0.0
+    """Entropy bonus: loss -= entropy_coef x entropy (same aggregation as the policy loss)."""
+    whiten_advantages: bool = False
+    """Token-weighted whitening of the advantages over the rollout batch (masked mean, unbiased
+    variance, 1/sqrt(var + 1e-8)), as ROLL does."""
+    advantage_clip: Optional[float] = None
+    """Clamp advantages to +-advantage_clip after whitening; null disables."""
+    reward_clip: Optional[float] = None
+    """Clamp the (normalised) sequence reward to +-reward_clip; null disables."""
+    reward_norm: Optional[str] = None
+    """Scope of reward normalisation before the estimator: batch, group, running, or null.
+    ROLL documents this key but silently ignores it; here it works."""
+    reward_shift: bool = False
+    """With reward_norm: only subtract the mean (no division by the std)."""
+    reward_scale: bool = False
+    """With reward_norm: only divide by the std (no mean subtraction)."""
+    std_unbiased: bool = True
+    """Group/batch std with Bessel's correction (torch.std default; ROLL, verl, TRL) or the
+    population std (Megatron-RL)."""
+    std_eps: float = 1e-6
+    """Added to the std before dividing (ROLL, verl, slime use 1e-6; TRL 1e-4)."""
+    reinforce_baseline: str = "none"
+    """Baseline of adv_estimator=reinforce: none (ROLL), group mean, or batch mean."""
+    old_log_prob_source: str = "recompute"
+    """Old-policy log-probs: recompute (a training-engine forward before the update), rollout (the
+    inference engine's log-probs, which the GSPO paper argues GSPO tolerates), detach (old =
+    current, detached; only exact when each rollout batch gives one optimizer step)."""
+    routing_replay: str = "none"
+    """MoE Routing Replay: none, r2 (replay the routes recorded in the old-log-prob forward),
+    r3 (replay the rollout engine's routes in the old-log-prob and training forwards)."""
+    log_routing_change: bool = True
+    """MoE: measure expert volatility on every mini-batch, ``routing_change_frac`` (share of
+    (loss token, MoE layer) pairs whose top-k set under the weights being trained differs from
+    the old policy's, also per layer) and ``routing_change_frac_vs_rollout`` (against the rollout
+    engine's routes, when samples carry them). Costs one top-k per MoE layer in the training
+    forward; the old policy's routes are recorded in the recompute forward (M x K bytes per token
+    on CPU, gathered on every rank). Without that forward (old_log_prob_source rollout or detach)
+    only the comparison with the rollout's routes is available."""
+    log_ratio_clamp: float = 10.0
+    """|log ratio| is clamped to this before exp (sequence and token ratios), as verl does."""
+    advantage_level: str = "sequence"
+    """sequence: one advantage per sample from its reward; turn: per-token advantages from an
+    environment's turn rewards (each model turn gets the group-relative advantage of its
+    reward-to-go, docs/algorithms.md), which GSPO-token (importance_sampling=seq_token) or the
+    token ratio weigh per token. Needs an environment (env.name)."""
+    mask_truncated: bool = False
+    """Keep responses cut by a length limit (finish reason ``length``; a trajectory cut by an
+    environment limit) out of the loss: DAPO's over-long filtering (arXiv 2503.14476, section
+    3.4). Their rewards still count in their group's baseline. Counted in
+    ``truncated_masked_frac``."""
+    dynamic_sampling: bool = False
+    """DAPO's dynamic sampling (arXiv 2503.14476, section 3.2; verl's
+    ``algorithm.filter_groups``): drop groups whose rewards are all equal (advantage 0: no
+    signal) and generate for more prompts until the batch holds rollout_batch_size informative
+    groups. Prompts of dropped groups count as consumed. Metrics: ``dynamic_sampling/...``."""
+    dynamic_sampling_max_rounds: int = 10
+    """Most generation rounds per step with dynamic_sampling (verl's
+    ``filter_groups.max_num_gen_batches``: 10); a batch still short after them is filled with
+    dropped groups (counted in ``dynamic_sampling/filled_groups``, warned)."""
+    surrogate: str = "clip"
+    """The per-token objective: clip (PPO's clipped ratio, with importance_sampling's ratio: GSPO,
+    GSPO-token, GRPO), cispo (CISPO, MiniMax-M1 arXiv 2506.13585: the clipped token ratio as a
+    detached weight on the log-likelihood gradient, so no token's gradient is dropped) or gmpo
+    (GMPO, arXiv 2507.20673: the geometric mean of the token ratios, clipped in log space). cispo
+    and gmpo use token ratios (importance_sampling=token); gmpo needs sequence advantages and
+    seq-mean-token-mean. Formulas: docs/algorithms.md."""
+    cispo_weight_low: float = 0.0
+    """CISPO's weight is clip(r, cispo_weight_low, cispo_weight_high); 0 is MiniMax-M1's choice
+    of no lower bound (they tune the upper one only, section 3.1)."""
+    cispo_weight_high: float = 5.0
+    """Upper bound of CISPO's weight: ScaleRL's eps_max (arXiv 2510.13786), the value TRL
+    recommends for its loss_type=cispo."""
+    gmpo_log_clip: float = 0.4
+    """GMPO clips token log ratios at +-gmpo_log_clip (on the side that binds for the advantage's
+    sign): the paper's range (e^-0.4, e^0.4), its scripts' CLIPRANGE=0.4."""
+    rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
+    """Importance weights between the old policy and the rollout engine's log-probs
+    (level none|token|sequence, mode truncate|mask, low, high)."""
+
+    def __post_init__(self) -> None:
+        _check_choice(
+            "algo.importance_sampling",
+            self.importance_sampling,
+            IMPORTANCE_SAMPLING,
+            "seq is GSPO, seq_token GSPO-token, token GRPO/PPO",
+        )
+        _check_choice(
+            "algo.adv_estimator", self.adv_estimator, ADV_ESTIMATORS, "these are the estimators"
+        )
+        _check_choice(
+            "algo.loss_agg_mode",
+            self.loss_agg_mode,
+            LOSS_AGG_MODES,
+            "these are ROLL's four modes (with ROLL's meanings) and TRL's dr_grpo",
+        )
+        _check_choice("algo.kl_estimator", self.kl_estimator, KL_ESTIMATORS, "Schulman's k1/k2/k3")
+        _check_choice(
+            "algo.token_level_kl_estimator",
+            self.token_level_kl_estimator,
+            KL_ESTIMATORS,
+            "Schulman's k1/k2/k3",
+        )
+        _check_choice(
+            "algo.reward_norm",
+            self.reward_norm,
+            (None, "batch", "group", "running"),
+            "reward statistics come from the batch, the group, or a running estimate",
+        )
+        _check_choice(
+            "algo.reinforce_baseline",
+            self.reinforce_baseline,
+            ("none", "group", "batch"),
+            "REINFORCE subtracts no baseline, the group mean or the batch mean",
+        )
+        _check_choice(
+            "algo.old_log_prob_source",
+            self.old_log_prob_source,
+            OLD_LOG_PROB_SOURCES,
+            "old log-probs are recomputed, taken from the rollout, or the current ones detached",
+        )
+        _check_choice(
+            "algo.routing_replay",
+            self.routing_replay,
+            ROUTING_REPLAY_MODES,
+            "none, r2 (training-engine routes) or r3 (rollout-engine routes)",
+        )
+        for name in (
+            "rollout_batch_size",
+            "num_return_sequences_in_group",
+            "prompt_length",
+            "response_length",
+            "ppo_epochs",
+            "num_mini_batches",
+            "dynamic_sampling_max_rounds",
+        ):
+            _check_positive(f"algo.{name}", getattr(self, name))
+        for name in ("clip_low", "clip_high"):
+            value = getattr(self, name)
+            if not 0 < value < 1:
+                raise ConfigError(
+                    f"algo.{name}",
+                    f"{value!r} is outside (0, 1)",
+                    "the ratio is clipped to [1 - clip_low, 1 + clip_high]; 0 freezes it and "
+                    ">= 1 allows a zero ratio",
+                    "use 3e-4 / 4e-4 for GSPO (paper section 5.1) or 0.2 / 0.27 for GRPO",
+                )
+        if self.dual_clip_loss and self.dual_clip_constant <= 1 + self.clip_high:
+            raise ConfigError(
+                "algo.dual_clip_constant",
+                f"{self.dual_clip_constant} <= 1 + clip_high = {1 + self.clip_high}",
+                "the dual clip caps the loss of negative-advantage tokens at -c*A; with "
+                "c <= 1 + clip_high it overrides the ordinary clip",
+                "set dual_clip_constant > 1 + clip_high (3.0 is the usual value)",
+            )
+        for name in ("advantage_clip", "reward_clip"):
+            value = getattr(self, name)
+            if value is not None and value <= 0:
+                raise ConfigError(
+                    f"algo.{name}",
+                    f"{value!r} is not > 0",
+                    "it is a symmetric clamp bound",
+                    f"set algo.{name}=null to disable it or a positive bound",
+                )
+        if self.reward_shift and self.reward_scale:
+            raise ConfigError(
+                "algo.reward_shift",
+                "reward_shift and reward_scale are both true",
+                "reward_shift means subtract the mean only, reward_scale divide by the std only",
+                "set one of them, or neither for full (r - mean) / std normalisation",
+            )
+        if (self.reward_shift or self.reward_scale) and self.reward_norm is None:
+            raise ConfigError(
+                "algo.reward_norm",
+                "reward_shift/reward_scale is set but reward_norm is null",
+                "shift and scale choose how rewards are normalised, reward_norm the statistics",
+                "set algo.reward_norm to batch, group or running",
+            )
+        for name in ("kl_loss_coef", "token_level_kl_coef", "entropy_coef", "std_eps"):
+            _check_positive(f"algo.{name}", getattr(self, name), allow_zero=True)
+        _check_positive("algo.log_ratio_clamp", self.log_ratio_clamp)
+        if self.kl_clamp is not None:
+            _check_positive("algo.kl_clamp", self.kl_clamp)
+        if self.routing_replay == "r2" and self.old_log_prob_source != "recompute":
+            raise ConfigError(
+                "algo.routing_replay",
+                f"r2 needs old_log_prob_source=recompute, got {self.old_log_prob_source!r}",
+                "R2 records the routes in the old-log-prob forward of the training engine; with "
+                f"{self.old_log_prob_source!r} that forward does not exist",
+                "use algo.old_log_prob_source=recompute, or algo.routing_replay=r3",
+            )
+        if self.add_token_level_kl and self.old_log_prob_source == "detach":
+            raise ConfigError(
+                "algo.add_token_level_kl",
+                "KL-in-reward needs old log-probs before the update, but old_log_prob_source is "
+                "'detach'",
+                "the reward term is KL(old || ref) per token, computed before any update",
+                "use algo.old_log_prob_source=recompute or rollout",
+            )
+        _check_choice(
+            "algo.advantage_level",
+            self.advantage_level,
+            ("sequence", "turn"),
+            "advantages are per sample or per model turn",
+        )
+        if self.advantage_level == "turn":
+            if self.importance_sampling == "seq":
+                raise ConfigError(
+                    "algo.advantage_level",
+                    "per-turn advantages with GSPO's sequence ratio (importance_sampling=seq)",
+                    "GSPO's loss weighs every token of a sequence by one ratio, so per-token "
+                    "advantages average out to their mean; GSPO-token keeps them apart (GSPO "
+                    "paper, eq. 13-14)",
+                    "set algo.importance_sampling=seq_token (GSPO-token) or token",
+                )
+            for name in ("reward_norm", "reward_clip"):
+                if getattr(self, name) is not None:
+                    raise ConfigError(
+                        f"algo.{name}",
+                        f"{name} with per-turn advantages",
+                        "reward normalisation and clipping act on one reward per sample; "
+                        "per-turn advantages start from the turns' rewards",
+                        f"set algo.{name}=null, or algo.advantage_level=sequence",
+                    )
+            if self.add_token_level_kl:
+                raise ConfigError(
+                    "algo.add_token_level_kl",
+                    "KL-in-reward with per-turn advantages",
+                    "both make per-token advantages, in different ways; combining them is not "
+                    "defined here",
+                    "set one of algo.add_token_level_kl=false or algo.advantage_level=sequence",
+                )
+        if self.dynamic_sampling and self.num_return_sequences_in_group < 2:
+            raise ConfigError(
+                "algo.dynamic_sampling",
+                "dynamic sampling with one response per prompt",
+                "a group of one has advantage 0 whatever its reward, so every group would be "
+                "dropped",
+                "set algo.num_return_sequences_in_group >= 2 or algo.dynamic_sampling=false",
+            )
+        self._check_surrogate_and_correction()
+        self._warn_gspo_settings()
+
+    def _check_surrogate_and_correction(self) -> None:
+        _check_choice(
+            "algo.surrogate", self.surrogate, SURROGATES, "clip (PPO / GRPO / GSPO), cispo or gmpo"
+        )
+        if self.surrogate != "clip":
+            if self.importance_sampling != "token":
+                raise ConfigError(
+                    "algo.importance_sampling",
+                    f"importance_sampling={self.importance_sampling!r} with "
+                    f"surrogate={self.surrogate!r}",
+                    f"{self.surrogate} is built on token ratios (GMPO takes their geometric mean "
+                    "itself); the sequence ratios of GSPO are for the clipped surrogate",
+                    "set algo.importance_sampling=token",
+                )
+            if self.dual_clip_loss:
+                raise ConfigError(
+                    "algo.dual_clip_loss",
+                    f"dual clip with surrogate={self.surrogate!r}",
+                    "dual clip bounds PPO's clipped surrogate for negative advantages; "
+                    f"{self.surrogate} has its own clipping",
+                    "set algo.dual_clip_loss=false",
+                )
+        if self.surrogate == "cispo" and not (
+            0 <= self.cispo_weight_low <= 1 <= self.cispo_weight_high
+        ):
+            raise ConfigError(
+                "algo.cispo_weight_low/high",
+                f"[{self.cispo_weight_low}, {self.cispo_weight_high}] does not contain 1",
+                "CISPO clips the importance weight; an on-policy token (ratio 1) must keep "
+                "weight 1",
+                "set 0 <= cispo_weight_low <= 1 <= cispo_weight_high (default 0 and 5)",
+            )
+        if self.surrogate == "gmpo":
+            _check_positive("algo.gmpo_log_clip", self.gmpo_log_clip)
+            if self.loss_agg_mode != "seq-mean-token-mean":
+                raise ConfigError(
+                    "algo.loss_agg_mode",
+                    f"loss_agg_mode={self.loss_agg_mode!r} with surrogate='gmpo'",
+                    "GMPO's objective is one term per sequence averaged over sequences",
+                    "set algo.loss_agg_mode=seq-mean-token-mean",
+                )
+            if self.add_token_level_kl:
+                raise ConfigError(
+                    "algo.add_token_level_kl",
+                    "KL-in-reward (per-token advantages) with surrogate='gmpo'",
+                    "GMPO multiplies one sequence ratio by one sequence advantage",
+                    "set algo.add_token_level_kl=false, or use surrogate=clip",
+                )
+        correction = self.rollout_correction
+        if not correction.enabled:
+            return
+        if self.old_log_prob_source == "rollout":
+            raise ConfigError(
+                "algo.rollout_correction.level",
+                f"a {correction.level}-level correction with old_log_prob_source=rollout",
+                "the correction weighs pi_old / mu, and with rollout log-probs as the old "
+                "policy pi_old = mu: every weight would be 1",
+                "use algo.old_log_prob_source=recompute (or detach), or "
+                "algo.rollout_correction.level=none",
+            )
+        if self.surrogate == "gmpo" and correction.level == "token":
+            raise ConfigError(
+                "algo.rollout_correction.level",
+                "a token-level correction with surrogate='gmpo'",
+                "GMPO's loss has one term per sequence, which a per-token weight cannot scale",
+                "use algo.rollout_correction.level=sequence",
+            )
+
+    def _warn_gspo_settings(self) -> None:
+        if self.importance_sampling == "token":
+            return
+        if max(self.clip_low, self.clip_high) > 0.05:
+            _warn(
+                "algo.clip_low/clip_high",
+                f"GSPO with a token-sized clip range ({self.clip_low}, {self.clip_high}): the "
+                "sequence ratio is a geometric mean of token ratios and stays close to 1, so a "
+                "range above 0.05 almost never clips and the trust region is lost. The GSPO paper "
+                "uses 3e-4 / 4e-4 (section 5.1).",
+            )
+        if self.loss_agg_mode in ("token-mean", "seq-mean-token-sum"):
+            _warn(
+                "algo.loss_agg_mode",
+                f"GSPO with loss_agg_mode={self.loss_agg_mode!r} weights each sequence by its "
+                "length (ROLL#165, TRL#3823); GSPO's objective is seq-mean-token-mean.",
+            )
+
+    @property
+    def samples_per_step(self) -> int:
+        return self.rollout_batch_size * self.num_return_sequences_in_group
+
+    @property
+    def needs_reference_model(self) -> bool:
+        return self.use_kl_loss or self.add_token_level_kl
+
+    # The translation from these keys to the algorithm core's settings, written once.
+
+    def policy_loss_settings(self) -> PolicyLossSettings:
+        """The settings of :func:`megatron_gspo.algo.policy_loss` for this configuration."""
+        from megatron_gspo.algo import PolicyLossSettings
+
+        return PolicyLossSettings(
+            importance_sampling=self.importance_sampling,
+            clip_low=self.clip_low,
+            clip_high=self.clip_high,
+            loss_agg_mode=self.loss_agg_mode,
+            dual_clip_constant=self.dual_clip_constant if self.dual_clip_loss else None,
+            kl_coef=self.kl_loss_coef if self.use_kl_loss else 0.0,
+            kl_estimator=self.kl_estimator,
+            kl_clamp=self.kl_clamp,
+            entropy_coef=self.entropy_coef,
+            norm_length=self.response_length,
+            log_ratio_clamp=self.log_ratio_clamp,
+            surrogate=self.surrogate,
+            cispo_weight_bounds=(self.cispo_weight_low, self.cispo_weight_high)
+            if self.surrogate == "cispo"
+            else None,
+            gmpo_log_clip=self.gmpo_log_clip if self.surrogate == "gmpo" else None,
+            rollout_correction=self.rollout_correction.correction(),
+        )
+
+    def advantage_settings(self) -> AdvantageSettings:
+        """The settings of :func:`megatron_gspo.algo.compute_advantages` for this configuration."""
+        from megatron_gspo.algo import AdvantageSettings
+
+        return AdvantageSettings(
+            estimator=self.adv_estimator,
+            reward_norm=self.reward_norm,
+            reward_shift=self.reward_shift,
+            reward_scale=self.reward_scale,
+            reward_clip=self.reward_clip,
+            std_unbiased=self.std_unbiased,
+            std_eps=self.std_eps,
+            reinforce_baseline=self.reinforce_baseline,
+            per_turn=self.advantage_level == "turn",
+            token_level_kl_coef=self.token_level_kl_coef if self.add_token_level_kl else None,
+            token_level_kl_estimator=self.token_level_kl_estimator,
+            kl_clamp=self.kl_clamp,
+            whiten=self.whiten_advantages,
+            advantage_clip=self.advantage_clip,
+        )
