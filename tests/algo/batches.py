@@ -7,6 +7,8 @@ from typing import Optional
 
 import torch
 
+from megatron_gspo.algo import PolicyLossSettings
+
 # Per sequence: (target mean log ratio in units of `scale`, sequence advantage, response length).
 # With clip_low = 0.2 scale, clip_high = 0.28 scale and dual clip c = 1 + 0.5 scale:
 SEQUENCES = (
@@ -94,4 +96,21 @@ def make_batch(
         clip_low=0.2 * scale,
         clip_high=0.28 * scale,
         dual_clip_constant=1 + 0.5 * scale,
+    )
+
+
+def loss_settings(
+    batch: Batch, importance_sampling: str, agg: str, **overrides
+) -> PolicyLossSettings:
+    """Every term of the loss on: the batch's clip range and dual clip, KL (coefficient 0.3) and
+    entropy (0.05); ``overrides`` sets the rest (the KL estimator, a rollout correction, ...)."""
+    return PolicyLossSettings(
+        importance_sampling=importance_sampling,
+        clip_low=batch.clip_low,
+        clip_high=batch.clip_high,
+        loss_agg_mode=agg,
+        dual_clip_constant=batch.dual_clip_constant,
+        kl_coef=0.3,
+        entropy_coef=0.05,
+        **overrides,
     )

@@ -18,7 +18,7 @@ from megatron_gspo.algo import (
     policy_loss,
 )
 
-from .batches import WIDTH, make_batch
+from .batches import WIDTH, loss_settings, make_batch
 from .reference import AGG_MODES, reference_correction_weights, reference_policy_loss
 
 TIGHT = {"rtol": 1e-10, "atol": 1e-12}
@@ -110,15 +110,8 @@ def test_policy_loss_with_correction_matches_reference(name, importance_sampling
     batch = make_batch(seed=22, extra=3, per_token_advantages=importance_sampling == "seq_token")
     behaviour = behaviour_of(batch, seed=1)
     level, mode, low, high = CORRECTIONS[name]
-    settings = PolicyLossSettings(
-        importance_sampling=importance_sampling,
-        clip_low=batch.clip_low,
-        clip_high=batch.clip_high,
-        loss_agg_mode=agg,
-        dual_clip_constant=batch.dual_clip_constant,
-        kl_coef=0.3,
-        entropy_coef=0.05,
-        rollout_correction=correction_of(name),
+    settings = loss_settings(
+        batch, importance_sampling, agg, rollout_correction=correction_of(name)
     )
     log_probs = batch.log_probs.clone().requires_grad_()
     loss, metrics = policy_loss(

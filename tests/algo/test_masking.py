@@ -9,7 +9,7 @@ import torch
 
 from megatron_gspo.algo import PolicyLossSettings, policy_loss
 
-from .batches import make_batch
+from .batches import loss_settings, make_batch
 from .reference import AGG_MODES
 
 GARBAGE = {"nan": math.nan, "+inf": math.inf, "-inf": -math.inf, "+1e30": 1e30, "-1e30": -1e30}
@@ -24,16 +24,7 @@ def run(batch, values, importance_sampling, agg):
         values["old_log_probs"],
         values["advantages"],
         batch.mask,
-        PolicyLossSettings(
-            importance_sampling=importance_sampling,
-            clip_low=batch.clip_low,
-            clip_high=batch.clip_high,
-            loss_agg_mode=agg,
-            dual_clip_constant=batch.dual_clip_constant,
-            kl_coef=0.3,
-            kl_estimator="k3",
-            entropy_coef=0.05,
-        ),
+        loss_settings(batch, importance_sampling, agg, kl_estimator="k3"),
         ref_log_probs=values["ref_log_probs"],
         entropy=entropy,
     )

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_gspo.algo import PolicyLossSettings, policy_loss
+from megatron_gspo.algo import policy_loss
 
-from .batches import WIDTH, make_batch
+from .batches import WIDTH, loss_settings, make_batch
 from .reference import AGG_MODES
 
 # Row counts of the micro-batches of a 12-row batch, uneven on purpose; row 7 has no response token.
@@ -21,17 +21,7 @@ def compute(batch, rows, columns, log_probs, *, importance_sampling, agg, global
         batch.old_log_probs[rows, :columns],
         batch.advantages[rows] if batch.advantages.dim() == 1 else batch.advantages[rows, :columns],
         batch.mask[rows, :columns],
-        PolicyLossSettings(
-            importance_sampling=importance_sampling,
-            clip_low=batch.clip_low,
-            clip_high=batch.clip_high,
-            loss_agg_mode=agg,
-            dual_clip_constant=batch.dual_clip_constant,
-            kl_coef=0.3,
-            kl_estimator="k2",
-            entropy_coef=0.05,
-            norm_length=WIDTH,
-        ),
+        loss_settings(batch, importance_sampling, agg, kl_estimator="k2", norm_length=WIDTH),
         ref_log_probs=batch.ref_log_probs[rows, :columns],
         entropy=entropy,
         **(globals_ or {}),
