@@ -12,6 +12,7 @@ from megatron_gspo.config import ModelConfig, TrainConfig, from_dict
 from megatron_gspo.data.prompts import Prompt
 from megatron_gspo.rollout.embedded import EmbeddedEngine
 from megatron_gspo.rollout.types import GenerateRequest, GenerateResult, RolloutEngine
+from tests.rollout.conftest import tiny_model_config
 
 EOS, OBS = 12, 13
 T = TypeVar("T")
@@ -37,21 +38,8 @@ def merging_tokenizer():
 
 
 def tiny_moe() -> ModelConfig:
-    return ModelConfig(
-        vocab_size=16,
-        hidden_size=32,
-        num_layers=2,
-        num_attention_heads=4,
-        num_query_groups=2,
-        head_dim=8,
-        ffn_hidden_size=48,
-        num_experts=4,
-        moe_ffn_hidden_size=24,
-        moe_router_topk=2,
-        first_k_dense_layers=1,
-        max_position_embeddings=256,
-        init_std=0.2,
-    )
+    """The rollout tests' tiny MoE (a dense first layer, 4 experts, top-2) over this vocabulary."""
+    return tiny_model_config(vocab_size=16)
 
 
 def train_config(env: Optional[dict] = None, **sections) -> TrainConfig:
