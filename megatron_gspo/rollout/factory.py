@@ -43,7 +43,9 @@ def build_rollout_engine(
         enable_routed_experts: R3; launched SGLang servers get --enable-return-routed-experts.
         work_dir: weight files of the disk transport and server logs (a temporary directory
             when None).
-        master_address / master_port: rendezvous of the distributed weight transport.
+        master_address / master_port: rendezvous of the distributed weight transport (None:
+            from ``rollout.weight_sync_address`` / ``weight_sync_port``, else this machine's
+            address towards the first server and a free port).
     """
     from megatron_gspo.rollout.embedded import EmbeddedEngine
 
@@ -121,6 +123,7 @@ def build_rollout_engine(
             disk_dir=os.path.join(work_dir, "weights"),
             master_address=master_address,
             master_port=master_port,
+            urls=urls,
         )
         engine = SGLangEngine(
             urls,

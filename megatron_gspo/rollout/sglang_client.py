@@ -123,6 +123,7 @@ class SGLangEngine(RolloutEngine):
         self._local = threading.local()
         self._on_close = list(on_close)
         self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._pause_mode: Optional[str] = None
 
     @classmethod
     def from_config(
@@ -144,7 +145,9 @@ class SGLangEngine(RolloutEngine):
         urls = list(urls if urls is not None else rollout.sglang_urls)
         layout = RouteLayout.from_model_config(model) if model.is_moe else None
         if weight_transport is None:
-            weight_transport = transport_from_config(rollout, model, num_engines=len(urls))
+            weight_transport = transport_from_config(
+                rollout, model, num_engines=len(urls), urls=urls
+            )
         return cls(
             urls,
             layout,
@@ -344,11 +347,20 @@ class SGLangEngine(RolloutEngine):
         if mode not in SGLANG_PAUSE_MODES:
             raise ValueError(f"pause mode {mode!r} is not one of {SGLANG_PAUSE_MODES}")
         self.post_all("/pause_generation", {"mode": mode})
+        self._pause_mode = mode
 
     def resume(self) -> None:
         self.post_all(
             "/continue_generation", {"torch_empty_cache": self.resume_empties_torch_cache}
         )
+        self._pause_mode = None
+
+    @property
+    def flushes_on_update(self) -> bool:
+        """Whether weight updates ask the servers to flush their prefix cache: not while
+        requests are paused ``in_place`` (they keep their KV cache; SGLang 0.5.23 would apply
+        the update and still answer 400 "cache was not flushed")."""
+        return self._pause_mode != "in_place"
 
     def flush_cache(self) -> None:
         """``/flush_cache`` on every server, retried while it answers 400 (requests running)."""

@@ -1,42 +1,52 @@
-"""Weight transports from the trainer to SGLang servers: disk, tensor (CUDA IPC), distributed.
+"""Weight transports from the trainer to SGLang servers: disk, tensor, distributed.
 
 Each transport takes full (unsharded) tensors under their on-disk Hugging Face names (Megatron ->
 HF conversion and the TP/EP gather happen before, trainer-side) and issues the SGLang calls of
 ``docs/sglang-protocol.md`` section 4. :class:`SGLangEngine` wraps every sync in the
 ``/begin_weight_update`` bracket; the caller pauses and flushes first
-(:func:`megatron_gspo.rollout.types.sync_weights_paused`).
+(:func:`megatron_gspo.rollout.types.sync_weights_paused`). None of them imports sglang, except
+the tensor transport for CUDA tensors (SGLang's device-UUID patch of torch's CUDA-IPC handles).
 
 * ``disk``: safetensors shards + ``config.json`` in a fresh directory, then
-  ``/update_weights_from_disk``. Works with any server the trainer shares a filesystem with,
-  including the embedded loopback server (tested end to end on CPU).
-* ``tensor`` (colocated only): each bucket is flattened into sglang's ``FlattenedTensorBucket``
-  and serialised with sglang's ``MultiprocessingSerializer``; the payload is pickled CUDA-IPC
-  handles, not data, so the tensors must live on a GPU of the same node, and stay alive until the
-  call returns (reusing the buffer earlier corrupted weights in slime#929). Needs sglang.
+  ``/update_weights_from_disk``. Works with any server the trainer shares a filesystem with.
+* ``tensor`` (colocated): each bucket is one flattened buffer whose *handle* travels in
+  ``/update_weights_from_tensor`` (``load_format="flattened_bucket"``): CUDA-IPC on GPUs, a
+  shared-memory file on CPU. The buffer must stay alive until the call returns (reusing it
+  earlier corrupted weights in slime#929).
 * ``distributed`` (disaggregated): ``/init_weights_update_group`` once, then per bucket a
-  ``/update_weights_from_distributed`` call issued CONCURRENTLY with the trainer's
-  ``broadcast(src=0)`` of each tensor, in the same order. Needs sglang (its
-  ``init_custom_process_group``) and NCCL.
+  ``/update_weights_from_distributed`` call issued CONCURRENTLY with the trainer's broadcast
+  of each tensor, in the same order (NCCL on GPUs, gloo on CPU).
 
-The tensor and distributed transports cannot run on CPU; their payload builders are pure
-functions and are tested here, the transfer itself only on a GPU.
+All three are tested end to end against a real SGLang 0.5.23 server on CPU
+(``tests/real_sglang``).
 """
 
 from __future__ import annotations
 
 import abc
+import base64
+import io
 import json
+import logging
 import os
 import shutil
+import socket
 import tempfile
 import threading
 import time
-from collections.abc import Iterable, Iterator
+import uuid
+from collections.abc import Iterable, Iterator, Sequence
+from multiprocessing.reduction import ForkingPickler
+from types import SimpleNamespace
 from typing import Any, Optional
+from urllib.parse import urlsplit
 
 import torch
+import torch.multiprocessing  # noqa: F401 - registers torch's tensor reductions with ForkingPickler
 
 from megatron_gspo.rollout.types import RolloutEngineError, SyncStats
+
+logger = logging.getLogger(__name__)
 
 
 class WeightTransport(abc.ABC):
@@ -208,7 +218,7 @@ class DiskTransport(WeightTransport):
             {
                 "model_path": path,
                 "weight_version": str(version),
-                "flush_cache": True,
+                "flush_cache": getattr(client, "flushes_on_update", True),
                 "abort_all_requests": False,
             },
             timeout=client.request_timeout_s,
@@ -225,18 +235,69 @@ class DiskTransport(WeightTransport):
 def serialize_flattened_bucket(bucket: list[tuple[str, torch.Tensor]]) -> tuple[str, Any]:
     """``(base64 payload, keep_alive)`` of one bucket for ``load_format="flattened_bucket"``.
 
-    The payload must be produced by sglang's ``MultiprocessingSerializer`` (ForkingPickler with
-    sglang's torch-reduction patch): for CUDA tensors it carries IPC handles, so
-    ``keep_alive`` (the flattened buffer) must outlive the HTTP call.
-    """
-    from sglang.srt.utils import MultiprocessingSerializer
-    from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
-    from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
+    The bucket's tensors are concatenated byte-wise into one ``uint8`` buffer (each aligned to its
+    element size); the metadata lists
+    each tensor's name, shape, dtype and byte range as ``types.SimpleNamespace`` objects (SGLang
+    0.5.23 reads these attributes and rebuilds its own ``FlattenedTensorMetadata``; its
+    ``SafeUnpickler`` admits ``SimpleNamespace``), so building the payload needs no sglang. The
+    payload is ``multiprocessing``'s ``ForkingPickler`` output in base64, like SGLang's
+    ``MultiprocessingSerializer``: it carries a *handle* to the buffer, never its data, so
+    ``keep_alive`` (the buffer) must outlive the HTTP call.
 
-    monkey_patch_torch_reductions()
-    flat = FlattenedTensorBucket(named_tensors=[(name, t.detach()) for name, t in bucket])
-    data = {"flattened_tensor": flat.get_flattened_tensor(), "metadata": flat.get_metadata()}
-    return MultiprocessingSerializer.serialize(data, output_str=True), flat
+    * CUDA tensors travel as CUDA-IPC handles; SGLang's reduction patch
+      (``monkey_patch_torch_reductions``, imported lazily) names the device by UUID so that a
+      server with other visible devices opens the right one.
+    * CPU tensors travel as shared-memory file names, which needs the ``file_system`` sharing
+      strategy (:func:`use_file_system_sharing`).
+    """
+    views, metadata, offset = [], [], 0
+    for name, tensor in bucket:
+        flat = tensor.detach().contiguous().view(-1).view(torch.uint8)
+        # Each tensor starts at a multiple of its element size (the receiver views its byte
+        # range as the dtype, which torch refuses at a misaligned offset, e.g. an int64 after an
+        # odd number of bfloat16): zero padding bytes fill the gap.
+        padding = -offset % tensor.element_size()
+        if padding:
+            views.append(torch.zeros(padding, dtype=torch.uint8, device=flat.device))
+            offset += padding
+        metadata.append(
+            SimpleNamespace(
+                name=name,
+                shape=tensor.shape,
+                dtype=tensor.dtype,
+                start_idx=offset,
+                end_idx=offset + flat.numel(),
+                numel=flat.numel(),
+            )
+        )
+        views.append(flat)
+        offset += flat.numel()
+    buffer = torch.cat(views)
+    if buffer.is_cuda:
+        from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
+
+        monkey_patch_torch_reductions()
+    else:
+        use_file_system_sharing()
+    stream = io.BytesIO()
+    ForkingPickler(stream).dump({"flattened_tensor": buffer, "metadata": metadata})
+    return base64.b64encode(stream.getvalue()).decode("ascii"), buffer
+
+
+def use_file_system_sharing() -> None:
+    """Share CPU tensors with other processes by ``/dev/shm`` file name (process-wide).
+
+    torch's default ``file_descriptor`` strategy hands a descriptor over a socket that the
+    receiver must authenticate to with the *sender's* ``multiprocessing`` key; an SGLang server
+    has another key, fails with ``AuthenticationError: digest sent was rejected`` and its
+    scheduler dies (measured with SGLang 0.5.23 on CPU). With ``file_system``, torch's
+    ``torch_shm_manager`` daemon unlinks each file once the last process holding it lets go.
+    """
+    import torch.multiprocessing
+
+    if torch.multiprocessing.get_sharing_strategy() != "file_system":
+        logger.info("sharing CPU tensors by file name (torch.multiprocessing 'file_system')")
+        torch.multiprocessing.set_sharing_strategy("file_system")
 
 
 def tensor_update_payload(
@@ -254,7 +315,8 @@ def tensor_update_payload(
 
 
 class TensorTransport(WeightTransport):
-    """Colocated CUDA-IPC transport (``/update_weights_from_tensor``); needs sglang and a GPU."""
+    """Colocated transport (``/update_weights_from_tensor``): the servers map the trainer's
+    buffers, CUDA-IPC on GPUs, shared memory on CPU (:func:`serialize_flattened_bucket`)."""
 
     name = "tensor"
 
@@ -268,16 +330,11 @@ class TensorTransport(WeightTransport):
         start = time.perf_counter()
         num_tensors = num_bytes = num_buckets = 0
         for bucket, is_last in _with_last_flag(iter_buckets(named_tensors, self.bucket_bytes)):
-            if any(not tensor.is_cuda for _, tensor in bucket):
-                raise RolloutEngineError(
-                    "tensor weight transport: CPU tensors cannot travel as CUDA-IPC handles; "
-                    "use rollout.weight_transport=disk (or distributed) without colocated GPUs"
-                )
             serialized, keep_alive = serialize_flattened_bucket(bucket)
             payload = tensor_update_payload(
                 serialized,
                 self.num_engine_tp_ranks,
-                flush_cache=is_last,
+                flush_cache=is_last and getattr(client, "flushes_on_update", True),
                 weight_version=str(version) if is_last else None,
             )
             client.post_all(
@@ -340,12 +397,88 @@ def distributed_update_payload(
     }
 
 
+def init_update_group(
+    backend: str,
+    master_address: str,
+    master_port: int,
+    world_size: int,
+    rank: int,
+    group_name: str,
+    timeout_s: float = 600.0,
+) -> Any:
+    """A process group of its own (trainer rank 0 plus the servers' ranks) beside the default one.
+
+    The trainer already belongs to its default group (torchrun's world) and an SGLang server to
+    its own, so the update group cannot come from ``init_process_group``; like SGLang's
+    ``init_custom_process_group`` (which the servers run on their side, the pattern of verl and
+    OpenRLHF), it meets through a TCP store at ``master_address:master_port`` and is built with
+    torch's ``_new_process_group_helper``. Rank 0 hosts that store itself: under torchrun,
+    ``rendezvous("tcp://...")`` would only connect to a store that torchrun's agent hosts, and
+    nobody hosts one on this port. Group rank ``r`` is global rank ``r`` for torch's collectives.
+    """
+    from datetime import timedelta
+
+    from torch.distributed import distributed_c10d as c10d
+
+    timeout = timedelta(seconds=timeout_s)
+    if rank != 0:
+        raise ValueError("the trainer is rank 0 of the weight-update group")
+    # Waits until every server has connected (they were asked to join before this call).
+    store = torch.distributed.TCPStore(
+        master_address, master_port, world_size, is_master=True, timeout=timeout
+    )
+    group, _ = c10d._new_process_group_helper(
+        world_size,
+        rank,
+        [],
+        c10d.Backend(backend),
+        c10d.PrefixStore(group_name, store),
+        group_name=group_name,
+        timeout=timeout,
+    )
+    c10d._world.pg_group_ranks[group] = {index: index for index in range(world_size)}
+    return group
+
+
+def free_port(address: str) -> int:
+    """A TCP port that is free on ``address`` now."""
+    with socket.socket() as sock:
+        sock.bind((address, 0))
+        return sock.getsockname()[1]
+
+
+def local_address_towards(url: str) -> str:
+    """This machine's address on the route to the server at ``url``: the address that server
+    can reach the trainer on (no packet is sent; a UDP ``connect`` only selects the route).
+
+    A loopback server gives ``127.0.0.1``; a server on another node gives the address of the
+    interface that leads there, which is what the weight-update group must listen on. torchrun's
+    ``MASTER_ADDR`` is not used: it names the rendezvous host, which need not be the driver's.
+    """
+    parsed = urlsplit(url if "://" in url else f"http://{url}")
+    if not parsed.hostname:
+        raise ValueError(f"no host in server URL {url!r}")
+    family, _, _, _, address = socket.getaddrinfo(
+        parsed.hostname, parsed.port or 80, type=socket.SOCK_DGRAM
+    )[0]
+    with socket.socket(family, socket.SOCK_DGRAM) as sock:
+        sock.connect(address)
+        return sock.getsockname()[0]
+
+
 class DistributedTransport(WeightTransport):
-    """Disaggregated NCCL transport; the trainer process calling ``sync`` is rank 0 of the group.
+    """Disaggregated transport: the trainer process calling ``sync`` is rank 0 of a process group
+    with every server's ranks, and broadcasts each tensor (NCCL on GPUs, gloo on CPU).
 
     Args:
-        master_address / master_port: rendezvous of the update group, reachable by the servers.
-        engine_world_sizes: GPUs of each server (tp x pp), in the client's URL order.
+        master_address / master_port: rendezvous of the update group, reachable by the servers;
+            port 0 picks a free port on ``master_address`` when the group is formed (first sync).
+        engine_world_sizes: ranks of each server (tp x pp), in the client's URL order.
+        backend: ``nccl`` (tensors are broadcast from the current CUDA device) or ``gloo``
+            (from host memory; SGLang on CPU).
+        group_name: default ``megatron_gspo_weight_sync_<random>``: a server outlives a trainer
+            that died without destroying its group, and SGLang refuses a second group of the
+            same name.
     """
 
     name = "distributed"
@@ -356,17 +489,22 @@ class DistributedTransport(WeightTransport):
         master_port: int,
         engine_world_sizes: list[int],
         *,
-        group_name: str = "megatron_gspo_weight_sync",
+        group_name: Optional[str] = None,
         backend: str = "nccl",
         bucket_bytes: int = 512 << 20,
+        timeout_s: float = 600.0,
     ):
+        if backend not in ("nccl", "gloo"):
+            raise ValueError(f"backend {backend!r} is not nccl or gloo")
         self.master_address = master_address
         self.master_port = master_port
         self.engine_world_sizes = list(engine_world_sizes)
-        self.group_name = group_name
+        self.group_name = group_name or f"megatron_gspo_weight_sync_{uuid.uuid4().hex[:12]}"
         self.backend = backend
         self.bucket_bytes = bucket_bytes
+        self.timeout_s = timeout_s
         self._group: Any = None
+        self._client: Any = None
 
     @staticmethod
     def _concurrently(calls: list[Any]) -> list[Any]:
@@ -399,8 +537,12 @@ class DistributedTransport(WeightTransport):
     def _ensure_group(self, client: Any) -> None:
         if self._group is not None:
             return
-        from sglang.srt.utils.common import init_custom_process_group
-
+        if len(self.engine_world_sizes) != len(client.urls):
+            raise ValueError(
+                f"{len(self.engine_world_sizes)} engine world sizes for {len(client.urls)} servers"
+            )
+        if not self.master_port:
+            self.master_port = free_port(self.master_address)
         payloads = init_group_payloads(
             self.master_address,
             self.master_port,
@@ -408,25 +550,29 @@ class DistributedTransport(WeightTransport):
             self.group_name,
             self.backend,
         )
-        if len(payloads) != len(client.urls):
-            raise ValueError(
-                f"{len(self.engine_world_sizes)} engine world sizes for {len(client.urls)} servers"
-            )
-        # The servers block in the rendezvous until rank 0 joins: post first, then join.
+        # The servers block in the rendezvous until rank 0 joins: post first, then join. A call
+        # that times out is not repeated (the server would queue a second rendezvous).
         pending = self._concurrently(
             [
-                lambda url=url, body=body: client.post_json(url, "/init_weights_update_group", body)
+                lambda url=url, body=body: _post_once(
+                    client, url, "/init_weights_update_group", body, self.timeout_s
+                )
                 for url, body in zip(client.urls, payloads)
             ]
         )
-        self._group = init_custom_process_group(
-            backend=self.backend,
-            init_method=f"tcp://{self.master_address}:{self.master_port}",
-            world_size=payloads[0]["world_size"],
-            rank=0,
-            group_name=self.group_name,
+        # On failure the HTTP threads are left to time out (daemons): waiting for servers that
+        # wait for this process would only turn the error into a hang.
+        self._group = init_update_group(
+            self.backend,
+            self.master_address,
+            self.master_port,
+            payloads[0]["world_size"],
+            0,
+            self.group_name,
+            self.timeout_s,
         )
         self._join(pending)
+        self._client = client
 
     def sync(
         self, client: Any, named_tensors: Iterator[tuple[str, Any]], version: int
@@ -440,22 +586,21 @@ class DistributedTransport(WeightTransport):
             payload = distributed_update_payload(
                 bucket,
                 self.group_name,
-                flush_cache=is_last,
+                flush_cache=is_last and getattr(client, "flushes_on_update", True),
                 weight_version=str(version) if is_last else None,
             )
             pending = self._concurrently(
                 [
-                    lambda url=url, body=payload: client.post_json(
-                        url,
-                        "/update_weights_from_distributed",
-                        body,
-                        timeout=client.request_timeout_s,
+                    lambda url=url, body=payload: _post_once(
+                        client, url, "/update_weights_from_distributed", body, self.timeout_s
                     )
                     for url in client.urls
                 ]
             )
             for _, tensor in bucket:
-                dist.broadcast(tensor.detach().cuda().contiguous(), src=0, group=self._group)
+                tensor = tensor.detach()
+                tensor = tensor.cuda() if self.backend == "nccl" else tensor.cpu()
+                dist.broadcast(tensor.contiguous(), group=self._group, group_src=0)
             self._join(pending)
             num_tensors += len(bucket)
             num_bytes += sum(tensor_bytes(t) for _, t in bucket)
@@ -463,11 +608,31 @@ class DistributedTransport(WeightTransport):
         return SyncStats(version, num_tensors, num_bytes, time.perf_counter() - start, num_buckets)
 
     def close(self) -> None:
-        if self._group is not None:
-            import torch.distributed as dist
+        """Destroy the group on the servers (best effort: they may be gone) and here."""
+        if self._group is None:
+            return
+        import torch.distributed as dist
 
-            dist.destroy_process_group(self._group)
-            self._group = None
+        for url in self._client.urls:
+            try:
+                self._client.post_json(
+                    url, "/destroy_weights_update_group", {"group_name": self.group_name}
+                )
+            except Exception as error:  # a stopped server has no group left to destroy
+                logger.warning("%s: destroying weight-update group failed: %s", url, error)
+        dist.destroy_process_group(self._group)
+        self._group = self._client = None
+
+
+def _post_once(client: Any, url: str, path: str, payload: Any, timeout_s: float) -> Any:
+    """POST that is never repeated after a time-out: the server may be inside the collective."""
+    response = client.request("POST", url, path, payload, timeout=timeout_s, retry_timeouts=False)
+    if response.status_code != 200:
+        raise RolloutEngineError(f"{url}{path}: HTTP {response.status_code}: {response.text[:500]}")
+    body = response.json()
+    if isinstance(body, dict) and body.get("success") is False:
+        raise RolloutEngineError(f"{url}{path}: refused: {body.get('message', body)}")
+    return body
 
 
 # ---------------------------------------------------------------------------------- config
@@ -481,11 +646,15 @@ def transport_from_config(
     disk_dir: Optional[str] = None,
     master_address: Optional[str] = None,
     master_port: Optional[int] = None,
+    urls: Sequence[str] = (),
 ) -> WeightTransport:
     """The transport ``rollout.weight_transport`` names (a :class:`RolloutConfig`).
 
     ``disk`` copies ``config.json`` from ``model.hf_path`` when set, else writes the config
-    derived from ``model``; ``distributed`` needs ``master_address`` and ``master_port``.
+    derived from ``model``. ``distributed``: the group's rendezvous is ``master_address`` (else
+    ``rollout.weight_sync_address``, else this machine's address towards ``urls[0]``) and
+    ``master_port`` (else ``rollout.weight_sync_port``; 0 picks a free port at the first sync);
+    the backend is NCCL when this process has a GPU, else gloo (SGLang on CPU).
     """
     bucket_bytes = rollout.weight_bucket_mb << 20
     if rollout.weight_transport == "disk":
@@ -497,11 +666,20 @@ def transport_from_config(
         return DiskTransport(disk_dir, config_source_dir=model.hf_path, config_json=config_json)
     if rollout.weight_transport == "tensor":
         return TensorTransport(bucket_bytes, num_engine_tp_ranks=rollout.sglang_tp)
-    if master_address is None or master_port is None:
-        raise ValueError(
-            "rollout.weight_transport=distributed needs the trainer's master_address and a free "
-            "master_port reachable by the SGLang servers"
-        )
+    master_address = master_address or rollout.weight_sync_address
+    if master_address is None:
+        if not urls:
+            raise ValueError(
+                "rollout.weight_transport=distributed needs the address the SGLang servers reach "
+                "the trainer on: set rollout.weight_sync_address, or give the server URLs"
+            )
+        master_address = local_address_towards(urls[0])
+    if master_port is None:
+        master_port = rollout.weight_sync_port
     return DistributedTransport(
-        master_address, master_port, [rollout.sglang_tp] * num_engines, bucket_bytes=bucket_bytes
+        master_address,
+        master_port,
+        [rollout.sglang_tp] * num_engines,
+        backend="nccl" if torch.cuda.is_available() else "gloo",
+        bucket_bytes=bucket_bytes,
     )

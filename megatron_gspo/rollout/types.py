@@ -273,12 +273,16 @@ def sync_weights_paused(
 ) -> SyncStats:
     """Pause, flush, sync and resume: the weight update of one RL step.
 
-    The engine is resumed even when the sync fails, so that the error, not a hang, reaches the
+    ``in_place`` keeps the paused requests in the running batch with their KV cache, so nothing
+    is flushed (SGLang refuses to while requests hold cache): the continued requests attend to
+    the old weights' keys and values (measured on SGLang 0.5.23: docs/sglang-protocol.md). The
+    engine is resumed even when the sync fails, so that the error, not a hang, reaches the
     caller.
     """
     engine.pause(pause_mode)
     try:
-        engine.flush_cache()
+        if pause_mode != "in_place":
+            engine.flush_cache()
         return engine.sync_weights(named_tensors, version)
     finally:
         engine.resume()

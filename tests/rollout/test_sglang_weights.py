@@ -14,15 +14,15 @@ from megatron_gspo.rollout.embedded import EmbeddedEngine
 from megatron_gspo.rollout.sglang_weights import (
     DiskTransport,
     DistributedTransport,
-    TensorTransport,
     distributed_update_payload,
     init_group_payloads,
     iter_buckets,
+    local_address_towards,
+    serialize_flattened_bucket,
     tensor_update_payload,
     transport_from_config,
     write_hf_checkpoint,
 )
-from megatron_gspo.rollout.types import RolloutEngineError
 from megatron_gspo.rollout.weight_loader import iter_safetensors_directory
 from tests.rollout.conftest import tiny_model_config
 
@@ -75,13 +75,37 @@ def test_disk_transport_from_config_writes_the_model_config(tmp_path):
     assert json.loads(transport.config_json)["architectures"] == ["Qwen3MoeForCausalLM"]
 
 
-def test_tensor_payload_and_cpu_refusal():
+def test_tensor_payload():
     payload = tensor_update_payload("QUJD", 4, flush_cache=True, weight_version="7")
     assert payload["serialized_named_tensors"] == ["QUJD"] * 4
     assert payload["load_format"] == "flattened_bucket" and payload["weight_version"] == "7"
-    transport = TensorTransport(num_engine_tp_ranks=2)
-    with pytest.raises(RolloutEngineError, match="CUDA-IPC"):
-        transport.sync(None, iter([("w", torch.zeros(2))]), version=1)
+
+
+def test_cpu_bucket_travels_as_shared_memory_without_sglang():
+    """A CPU bucket is one uint8 buffer shared by /dev/shm file name, with SimpleNamespace
+    metadata: unpickled, it rebuilds every tensor bit for bit (SGLang does the same; tested
+    against a real server in tests/real_sglang)."""
+    import base64
+    import pickle
+
+    import torch.multiprocessing
+
+    bucket = [
+        ("a.weight", torch.arange(6.0).reshape(2, 3)),
+        ("b", torch.ones(5, dtype=torch.bfloat16)),
+        ("c", torch.arange(4, dtype=torch.int64)),
+    ]
+    serialized, keep_alive = serialize_flattened_bucket(bucket)
+    assert torch.multiprocessing.get_sharing_strategy() == "file_system"
+    assert len(serialized) < 2000  # a handle, not the data
+    data = pickle.loads(base64.b64decode(serialized))
+    flat = data["flattened_tensor"]
+    # b's 10 bytes end at 34: c starts at 40, aligned for int64.
+    assert flat.dtype == torch.uint8 and flat.numel() == keep_alive.numel() == 24 + 10 + 6 + 32
+    for (name, tensor), meta in zip(bucket, data["metadata"]):
+        assert (meta.name, meta.shape, meta.dtype) == (name, tensor.shape, tensor.dtype)
+        rebuilt = flat[meta.start_idx : meta.end_idx].view(meta.dtype).reshape(meta.shape)
+        assert torch.equal(rebuilt, tensor) and meta.numel == meta.end_idx - meta.start_idx
 
 
 def test_distributed_payloads():
@@ -92,7 +116,7 @@ def test_distributed_payloads():
     body = distributed_update_payload(bucket, "g", flush_cache=False, weight_version=None)
     assert body["names"] == ["a.weight", "b"]
     assert body["dtypes"] == ["bfloat16", "float32"] and body["shapes"] == [[3, 2], [5]]
-    with pytest.raises(ValueError, match="master_address"):
+    with pytest.raises(ValueError, match="weight_sync_address"):
         transport_from_config(RolloutConfig(weight_transport="distributed"), tiny_model_config())
     transport = transport_from_config(
         RolloutConfig(weight_transport="distributed", sglang_tp=2),
@@ -102,6 +126,29 @@ def test_distributed_payloads():
         master_port=29600,
     )
     assert isinstance(transport, DistributedTransport) and transport.engine_world_sizes == [2, 2, 2]
+    assert transport.backend == "gloo"  # no GPU in this process
+
+
+def test_distributed_rendezvous_is_derived_from_the_server_urls():
+    """Without rollout.weight_sync_address the group listens on this machine's address towards
+    the first server (loopback for local servers), on a free port picked at the first sync;
+    the group name is unique per transport (a server outlives a crashed trainer's group)."""
+    rollout = RolloutConfig(weight_transport="distributed")
+    first = transport_from_config(
+        rollout, tiny_model_config(), urls=["http://localhost:30000", "http://127.0.0.1:30001"]
+    )
+    second = transport_from_config(rollout, tiny_model_config(), urls=["http://127.0.0.1:1"])
+    assert (first.master_address, first.master_port) == ("127.0.0.1", 0)
+    assert first.group_name != second.group_name
+    assert local_address_towards("127.0.0.2:8000") == "127.0.0.1"
+    configured = transport_from_config(
+        RolloutConfig(
+            weight_transport="distributed", weight_sync_address="10.1.2.3", weight_sync_port=29700
+        ),
+        tiny_model_config(),
+        urls=["http://127.0.0.1:1"],
+    )
+    assert (configured.master_address, configured.master_port) == ("10.1.2.3", 29700)
 
 
 def test_flattened_bucket_serialisation_with_sglang():
