@@ -177,6 +177,13 @@ class RolloutConfig:
     update_weights_from_disk)."""
     weight_bucket_mb: int = 512
     """Upper bound of one weight-sync bucket."""
+    weight_sync_address: Optional[str] = None
+    """weight_transport=distributed: the driver's address that the SGLang servers connect to (the
+    update group's rendezvous; the driver is rank 0 of that group). null: this machine's address
+    on the route to the first server (127.0.0.1 for servers on this machine)."""
+    weight_sync_port: int = 0
+    """weight_transport=distributed: the rendezvous port on weight_sync_address; 0 picks a free
+    one at the first sync."""
     request_timeout_s: float = 600.0
     """Time limit of one /generate call to an SGLang server."""
     max_retries: int = 3
@@ -229,6 +236,24 @@ class RolloutConfig:
             )
         _check_positive("rollout.min_new_tokens", self.min_new_tokens, allow_zero=True)
         _check_positive("rollout.weight_bucket_mb", self.weight_bucket_mb)
+        if not 0 <= self.weight_sync_port <= 65535:
+            raise ConfigError(
+                "rollout.weight_sync_port",
+                f"{self.weight_sync_port} is not a TCP port",
+                "the SGLang servers connect to the driver on this port",
+                "set 0 <= weight_sync_port <= 65535 (0: a free port)",
+            )
+        if self.engine == "sglang" and self.min_new_tokens > 0:
+            raise ConfigError(
+                "rollout.min_new_tokens",
+                f"min_new_tokens={self.min_new_tokens} with rollout.engine=sglang",
+                "SGLang 0.5.23 refuses min_new_tokens on servers without a tokenizer (the "
+                "trainer's servers run --skip-tokenizer-init: HTTP 400), and with a tokenizer it "
+                "reports the log-probs of the stop-masked distribution for the first "
+                "min_new_tokens tokens, which the trainer does not recompute (docs/sglang-"
+                "protocol.md)",
+                "set rollout.min_new_tokens=0, or use rollout.engine=embedded",
+            )
         _check_positive("rollout.request_timeout_s", self.request_timeout_s)
         _check_positive("rollout.max_retries", self.max_retries, allow_zero=True)
         if not 0 < self.sglang_mem_fraction < 1:

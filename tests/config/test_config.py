@@ -154,6 +154,9 @@ def test_unknown_preset_name():
         (["model.num_query_groups=3"], "model.num_query_groups"),
         # mini-batches must split the samples of a step (8 x 8 = 64)
         (["algo.num_mini_batches=3"], "algo.num_mini_batches"),
+        # SGLang cannot honour min_new_tokens the way the trainer recomputes (tests/real_sglang)
+        (["rollout.engine=sglang", "rollout.min_new_tokens=4"], "rollout.min_new_tokens"),
+        (["rollout.weight_sync_port=70000"], "rollout.weight_sync_port"),
     ],
 )  # fmt: skip
 def test_bad_value(overrides, key):
