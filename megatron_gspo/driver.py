@@ -220,6 +220,9 @@ class RolloutDriver(Driver):
 
     def rollout(self, step: int) -> RolloutBatch:
         produced = collect_step_batch(self.producer, self.task.stream, step, self.cfg)
+        if self.cfg.rollout.sglang_release_memory:
+            # Colocated servers give their GPU memory to the trainer until the weight sync.
+            self.rollout_engine.release_memory()
         samples = broadcast_samples(produced.samples)
         metrics = {
             **rollout_metrics(samples),

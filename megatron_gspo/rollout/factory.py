@@ -16,6 +16,7 @@ SGLang's ``--api-key``) that the client sends on every call; servers named in
 
 from __future__ import annotations
 
+import logging
 import os
 import tempfile
 from contextlib import ExitStack
@@ -24,6 +25,8 @@ from typing import Optional
 from megatron_gspo.config import ConfigError, ModelConfig, RolloutConfig
 from megatron_gspo.rollout.auth import api_key_from_environment, new_api_key
 from megatron_gspo.rollout.types import RolloutEngine
+
+logger = logging.getLogger(__name__)
 
 
 def build_rollout_engine(
@@ -133,5 +136,67 @@ def build_rollout_engine(
             api_key=api_key,
             **client_options,
         )
+        check_sglang_servers(engine, rollout, enable_routed_experts=enable_routed_experts)
         started.pop_all()
     return engine
+
+
+TESTED_SGLANG_VERSION = "0.5.23"
+"""The SGLang release the client is tested against, on CPU by tests/real_sglang."""
+
+
+def check_sglang_servers(engine, rollout: RolloutConfig, *, enable_routed_experts: bool) -> None:
+    """Refuse, at start, servers that cannot do what the run asks, every problem at once (from
+    ``/server_info``); warn about what only changes reproducibility.
+
+    * R3 needs ``--enable-return-routed-experts`` (else the first rollout fails to parse).
+    * ``rollout.sglang_release_memory`` needs ``--enable-memory-saver``: without it SGLang
+      answers ``/release_memory_occupation`` with 200 and frees nothing; on CPU the memory saver
+      does not exist (it needs libcuda), so SGLang on CPU cannot release memory.
+    * Without ``--enable-deterministic-inference`` SGLang ignores ``sampling_seed``: a resumed run
+      does not redraw the samples of the interrupted one (a warning; the CPU backend cannot run
+      deterministic inference).
+    """
+    from megatron_gspo.preflight import StartupErrors
+
+    problems: list[ConfigError] = []
+    for url, info in zip(engine.urls, engine.server_info()):
+        version = info.get("version")
+        if version != TESTED_SGLANG_VERSION:
+            logger.warning(
+                "%s runs SGLang %s; the client is tested against %s",
+                url,
+                version,
+                TESTED_SGLANG_VERSION,
+            )
+        if enable_routed_experts and not info.get("enable_return_routed_experts"):
+            problems.append(
+                ConfigError(
+                    "algo.routing_replay",
+                    f"r3, but {url} runs without --enable-return-routed-experts",
+                    "R3 replays the routed experts the server returns with every sample",
+                    "restart the server with --enable-return-routed-experts, or set "
+                    "algo.routing_replay to r2 or none",
+                )
+            )
+        if rollout.sglang_release_memory and not info.get("enable_memory_saver"):
+            problems.append(
+                ConfigError(
+                    "rollout.sglang_release_memory",
+                    f"true, but {url} runs without --enable-memory-saver",
+                    "without it SGLang answers /release_memory_occupation with 200 and frees "
+                    "nothing; SGLang on CPU has no memory saver at all (it needs libcuda)",
+                    "start the servers with --enable-memory-saver (GPUs only), or set "
+                    "rollout.sglang_release_memory=false",
+                )
+            )
+        if not info.get("enable_deterministic_inference"):
+            logger.warning(
+                "%s runs without --enable-deterministic-inference: SGLang ignores sampling "
+                "seeds, so a resumed run will not redraw the samples of the interrupted one",
+                url,
+            )
+    if len(problems) == 1:
+        raise problems[0]
+    if problems:
+        raise StartupErrors(problems)

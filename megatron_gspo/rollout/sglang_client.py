@@ -51,6 +51,8 @@ from megatron_gspo.rollout.types import (
 logger = logging.getLogger(__name__)
 
 SGLANG_PAUSE_MODES = ("abort", "retract", "in_place")
+MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")
+"""What ``/release_memory_occupation`` frees (SGLang 0.5.23's tags)."""
 
 
 @dataclass
@@ -124,6 +126,7 @@ class SGLangEngine(RolloutEngine):
         self._on_close = list(on_close)
         self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._pause_mode: Optional[str] = None
+        self._memory_released = False
 
     @classmethod
     def from_config(
@@ -250,6 +253,11 @@ class SGLangEngine(RolloutEngine):
     def generate(self, requests: Sequence[GenerateRequest], n: int = 1) -> list[GenerateResult]:
         if n < 1:
             raise ValueError(f"n={n} < 1")
+        if self._memory_released:
+            raise RolloutEngineError(
+                "generate() after release_memory(): the servers hold no weights until the next "
+                "sync_weights() restores them"
+            )
         if any(request.seed is not None for request in requests) and n > 1:
             requests, n = expand_samples(requests, n), 1
         if any(r.return_routed_experts for r in requests) and self.route_layout is None:
@@ -426,13 +434,41 @@ class SGLangEngine(RolloutEngine):
                 "SGLangEngine.sync_weights: no weight transport configured (disk, tensor or "
                 "distributed; see rollout.weight_transport)"
             )
+        if self._memory_released:
+            # slime's order: the weights' memory back, the weights, then the caches.
+            self.post_all("/resume_memory_occupation", {"tags": ["weights"]})
         bracketed = self._begin_weight_update()
         try:
             stats = self.weight_transport.sync(self, named_tensors, version)
         finally:
             self._end_weight_update(bracketed)
+        if self._memory_released:
+            self.post_all("/resume_memory_occupation", {"tags": list(MEMORY_TAGS[1:])})
+            self._memory_released = False
         self._weight_version = int(version)
         return stats
+
+    def release_memory(self) -> None:
+        """``/release_memory_occupation`` of weights, KV cache and CUDA graphs on every server,
+        so that the colocated trainer can use that GPU memory; the next :meth:`sync_weights`
+        takes it back (weights first, then the caches). The servers must run with
+        ``--enable-memory-saver`` (:meth:`server_info` tells): without it SGLang 0.5.23 answers
+        200 and frees nothing, and on CPU the memory saver does not exist (it needs libcuda)."""
+        self.post_all("/release_memory_occupation", {"tags": list(MEMORY_TAGS)})
+        self._memory_released = True
+
+    def server_info(self) -> list[dict[str, Any]]:
+        """Every server's ``/server_info`` (resolved ServerArgs, ``version``), in URL order."""
+        infos = []
+        for server in self.servers:
+            response = self.request("GET", server.url, "/server_info")
+            body = _json_or_text(response)
+            if response.status_code != 200 or not isinstance(body, dict):
+                raise RolloutEngineError(
+                    f"{server.url}/server_info: HTTP {response.status_code}: {_excerpt(body)}"
+                )
+            infos.append(body)
+        return infos
 
     def _begin_weight_update(self) -> list[_Server]:
         opened = []

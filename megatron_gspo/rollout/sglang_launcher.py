@@ -138,7 +138,11 @@ def launch_command_from_config(
     api_key: Optional[str] = None,
 ) -> list[str]:
     """The command of server ``server_index`` from a :class:`RolloutConfig`: port
-    ``sglang_port + server_index``, GPUs from ``server_index * sglang_tp``."""
+    ``sglang_port + server_index``, GPUs from ``server_index * sglang_tp``;
+    ``--enable-memory-saver`` with ``rollout.sglang_release_memory`` (what releasing needs)."""
+    extra_args = list(rollout.sglang_extra_args)
+    if rollout.sglang_release_memory and "--enable-memory-saver" not in extra_args:
+        extra_args.append("--enable-memory-saver")
     return build_launch_command(
         model_path,
         port=rollout.sglang_port + server_index,
@@ -148,7 +152,7 @@ def launch_command_from_config(
         mem_fraction_static=rollout.sglang_mem_fraction,
         enable_return_routed_experts=enable_return_routed_experts,
         base_gpu_id=server_index * rollout.sglang_tp,
-        extra_args=rollout.sglang_extra_args,
+        extra_args=extra_args,
         api_key=api_key,
     )
 

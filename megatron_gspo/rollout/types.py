@@ -229,6 +229,12 @@ class RolloutEngine(abc.ABC):
         """Load full (unsharded) tensors under their on-disk Hugging Face names and set the
         weight version. Strict: unknown or missing names and shape mismatches raise."""
 
+    def release_memory(self) -> None:
+        """Free the engine's accelerator memory for the trainer until the next
+        :meth:`sync_weights` (``rollout.sglang_release_memory``). Engines in the trainer's
+        process hold nothing of their own to free."""
+        raise RolloutEngineError(f"{type(self).__name__} has no memory of its own to release")
+
     @property
     @abc.abstractmethod
     def weight_version(self) -> int:

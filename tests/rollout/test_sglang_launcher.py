@@ -79,6 +79,16 @@ def test_command_from_rollout_config():
     )
     assert _flag(command, "--port") == "31001" and _flag(command, "--base-gpu-id") == "2"
     assert _flag(command, "--tp-size") == "2" and command[-1] == "--x"
+    assert "--enable-memory-saver" not in command
+
+
+def test_releasing_memory_launches_with_the_memory_saver():
+    rollout = RolloutConfig(engine="sglang", sglang_release_memory=True)
+    command = launch_command_from_config(rollout, "/m", enable_return_routed_experts=False)
+    assert command.count("--enable-memory-saver") == 1
+    rollout.sglang_extra_args = ["--enable-memory-saver"]
+    command = launch_command_from_config(rollout, "/m", enable_return_routed_experts=False)
+    assert command.count("--enable-memory-saver") == 1
 
 
 def _free_port() -> int:
