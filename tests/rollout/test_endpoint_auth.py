@@ -178,10 +178,9 @@ def test_external_servers_get_the_key_from_the_environment(model_config, monkeyp
     with EmbeddedServer(engine, api_key=KEY) as server:
         rollout = RolloutConfig(engine="sglang", sglang_urls=[server.url], weight_transport="disk")
         monkeypatch.delenv(API_KEY_ENV, raising=False)
-        client = build_rollout_engine(rollout, model_config, work_dir=str(tmp_path))
+        # Refused at start: the client reads /server_info when it connects.
         with pytest.raises(Exception, match="401"):
-            client.flush_cache()
-        client.close()
+            build_rollout_engine(rollout, model_config, work_dir=str(tmp_path))
         monkeypatch.setenv(API_KEY_ENV, KEY)
         client = build_rollout_engine(rollout, model_config, work_dir=str(tmp_path))
         client.flush_cache()
