@@ -437,7 +437,11 @@ class SGLangEngine(RolloutEngine):
         if self._memory_released:
             # slime's order: the weights' memory back, the weights, then the caches.
             self.post_all("/resume_memory_occupation", {"tags": ["weights"]})
-        bracketed = self._begin_weight_update()
+        # Only tensor and distributed updates need the bracket. /update_weights_from_disk
+        # restores, loads and post-processes by itself; inside the bracket SGLang 0.5.23
+        # post-processes a second time at /end_weight_update, which re-packs packed weights
+        # (wrong log-probs on its AMX CPU path: docs/sglang-protocol.md, section 7).
+        bracketed = self._begin_weight_update() if self.weight_transport.needs_bracket else []
         try:
             stats = self.weight_transport.sync(self, named_tensors, version)
         finally:

@@ -53,6 +53,9 @@ class WeightTransport(abc.ABC):
     """How :meth:`SGLangEngine.sync_weights` moves tensors to the servers."""
 
     name: str = "abstract"
+    needs_bracket: bool = True
+    """Whether SGLang 0.5.23 needs the ``/begin_weight_update`` ... ``/end_weight_update`` bracket
+    around this transport's calls (tensor and distributed: yes, refused outside it)."""
 
     @abc.abstractmethod
     def sync(
@@ -182,6 +185,7 @@ class DiskTransport(WeightTransport):
     """
 
     name = "disk"
+    needs_bracket = False  # /update_weights_from_disk post-processes the weights itself
 
     def __init__(
         self,

@@ -22,7 +22,7 @@ from megatron_gspo.rollout.embedded import EmbeddedEngine
 from megatron_gspo.rollout.server import EmbeddedServer
 from megatron_gspo.rollout.sglang_client import SGLangEngine
 from megatron_gspo.rollout.sglang_protocol import RouteLayout
-from megatron_gspo.rollout.sglang_weights import DiskTransport
+from megatron_gspo.rollout.sglang_weights import DiskTransport, TensorTransport
 from megatron_gspo.rollout.types import GenerateRequest, RolloutEngineError, sync_weights_paused
 
 # The run's secret in these tests; the servers are started with it and the clients send it.
@@ -106,7 +106,8 @@ def test_disk_weight_update_changes_outputs(served, model_config, tmp_path):
     before = client.generate(requests_)
     stats = sync_weights_paused(client, donor.hf_state(), version=1)
     assert stats.num_tensors == len(engine._layout.disk_names) and stats.num_bytes > 0
-    assert client.servers[0].has_weight_update_bracket is False  # the embedded server has none
+    # Disk updates run outside the weight-update bracket, so it is never probed.
+    assert client.servers[0].has_weight_update_bracket is None
     after = client.generate(requests_)
     # The donor runs version 0 in process; the server took the same weights as version 1.
     _assert_same(after, _with_version(donor.generate(requests_), 1))
@@ -250,8 +251,9 @@ def test_bad_request_is_reported_with_the_server_message(served, model_config):
 
 
 class _RecordingHandler(BaseHTTPRequestHandler):
-    """Stand-in for a real SGLang 0.5.23 server (none can start without a GPU): answers the
-    weight-update bracket, and /generate with whatever the test scripted."""
+    """A server that records the calls it gets: answers the weight-update bracket and any update
+    with success, and /generate with whatever the test scripted (tests/real_sglang runs a real
+    SGLang 0.5.23 where its venv exists)."""
 
     protocol_version = "HTTP/1.1"
     calls: list[str]
@@ -287,15 +289,23 @@ def recording_server():
     http.server_close()
 
 
-def test_weight_update_runs_inside_the_bracket(recording_server, model_config, tmp_path):
+def test_tensor_updates_run_inside_the_bracket_disk_updates_outside(
+    recording_server, model_config, tmp_path
+):
+    """SGLang 0.5.23 refuses tensor (and distributed) updates outside the bracket, and
+    post-processes disk updates twice inside it (tests/real_sglang)."""
     handler, url = recording_server
     engine = EmbeddedEngine(model_config, seed=1)
-    client = _client(model_config, [url], weight_transport=DiskTransport(str(tmp_path)))
+    client = _client(model_config, [url], weight_transport=TensorTransport(bucket_bytes=1 << 30))
     client.sync_weights(engine.hf_state(), version=5)
     client.sync_weights(engine.hf_state(), version=6)
-    bracket = ["/begin_weight_update", "/update_weights_from_disk", "/end_weight_update"]
+    bracket = ["/begin_weight_update", "/update_weights_from_tensor", "/end_weight_update"]
     assert handler.calls == bracket * 2
     assert client.servers[0].has_weight_update_bracket is True and client.weight_version == 6
+    handler.calls.clear()
+    client.weight_transport = DiskTransport(str(tmp_path))
+    client.sync_weights(engine.hf_state(), version=7)
+    assert handler.calls == ["/update_weights_from_disk"] and client.weight_version == 7
 
 
 @pytest.mark.parametrize(
