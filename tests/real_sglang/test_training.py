@@ -48,10 +48,6 @@ def sglang_run(fresh_server, monkeypatch, tmp_path):
     return run
 
 
-def test_gspo_with_distributed_weight_sync(sglang_run):
-    sglang_run("gspo", ["rollout.weight_transport=distributed"])
-
-
 def test_grpo_with_r3_and_tensor_weight_sync(sglang_run):
     """R3: the old log-probs are recomputed replaying SGLang's routes, so the gap to SGLang's
     log-probs stays at rounding (native routing of the CPU demo's near-tied routers would not
@@ -60,7 +56,8 @@ def test_grpo_with_r3_and_tensor_weight_sync(sglang_run):
 
 
 @pytest.mark.distributed
-def test_tp2_with_distributed_weight_sync(sglang_run):
-    """torchrun, two processes (tensor parallel): rank 0 gathers the shards and is rank 0 of the
-    update group; the other rank only takes part in the gathers."""
-    sglang_run("tp2", ["parallel.tp=2", "rollout.weight_transport=distributed"], nproc=2)
+def test_gspo_tp2_with_distributed_weight_sync(sglang_run):
+    """GSPO (the default loss) under torchrun, two processes (tensor parallel): rank 0 gathers
+    the shards and is rank 0 of the update group, whose rendezvous the entry point derives; the
+    other rank only takes part in the gathers."""
+    sglang_run("gspo_tp2", ["parallel.tp=2", "rollout.weight_transport=distributed"], nproc=2)
