@@ -111,6 +111,11 @@ def test_r3_shrinks_the_gap_and_routes_as_the_engine(runs):
     assert r3["rollout_log_prob_abs_diff"] < r2["rollout_log_prob_abs_diff"]
     assert r3["routing_mismatch_vs_rollout"] == 0.0
     assert r2["routing_mismatch_vs_rollout"] > 0.0
+    # Every replayed MoE layer, in both steps (the demo model's layers are all MoE).
+    prefix = "routing_mismatch_vs_rollout/layer_"
+    for record in runs["r3_token_mask"]:
+        layers = {k: v for k, v in record.items() if k.startswith(prefix)}
+        assert len(layers) >= 2 and set(layers.values()) == {0.0}, layers
 
 
 def test_gspo_trains_on_the_bf16_engines_log_probs(runs):

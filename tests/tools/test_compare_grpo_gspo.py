@@ -1,6 +1,6 @@
 """tools/compare_grpo_gspo.py: --quick runs every variant for real and writes every output file;
-in the paper regime GSPO clips at least 10x GRPO's token fraction; the mismatch suite (bf16 engine)
-shows R3 routing exactly as the engine and R2 not."""
+in the paper regime GSPO clips at least 10x GRPO's token fraction; the mismatch suite
+runs on a bf16 engine and reports R3's routes as the engine's, layer by layer."""
 
 from __future__ import annotations
 
@@ -75,19 +75,16 @@ def test_quick_mode_writes_every_output(tmp_path):
 
 
 @pytest.mark.slow
-def test_mismatch_suite_r3_routes_as_the_engine(tmp_path):
-    """bf16 engine, one step: R3's training forward uses the engine's experts on every replayed
-    layer, R2's (the trainer's own routes) does not; GSPO trains on the engine's log-probs.
-
-    Without the cold start: after 10 supervised steps the tiny model's routers are decisive
-    enough that no route of these 16 samples flips between bf16 and fp32 (R2 then equals R3);
-    from the random initialisation ~0.6% of (token, layer) pairs do."""
+def test_mismatch_suite_runs_on_a_bf16_engine(tmp_path):
+    """The mismatch suite's wiring, one variant, one step: the engine samples in bf16 (a real
+    trainer-vs-engine gap), R3's training forward uses the engine's experts on every replayed
+    layer and the summary reports it per layer. R2 against R3 and GSPO on the engine's
+    log-probs, which need several runs, are tests/e2e/test_mismatch.py's (same settings)."""
     out = tmp_path / "mismatch"
-    variants = ("grpo_r2", "grpo_r3", "gspo_rollout")
     result = subprocess.run(
         [
             sys.executable, str(TOOL), "--suite", "mismatch", "--quick", "--steps", "1",
-            "--variants", ",".join(variants), "--out", str(out), "--", "sft_warmup_steps=0",
+            "--variants", "grpo_r3", "--out", str(out), "--", "sft_warmup_steps=0",
         ],
         capture_output=True,
         text=True,
@@ -96,16 +93,13 @@ def test_mismatch_suite_r3_routes_as_the_engine(tmp_path):
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())
-    assert summary["suite"] == "mismatch"
-    r2, r3 = summary["variants"]["grpo_r2"], summary["variants"]["grpo_r3"]
+    assert summary["suite"] == "mismatch" and list(summary["variants"]) == ["grpo_r3"]
+    r3 = summary["variants"]["grpo_r3"]
+    assert r3["steps"] == 1
+    assert r3["mean_rollout_log_prob_abs_diff"] > 1e-5  # bf16 engine vs fp32 trainer
     assert r3["mean_routing_mismatch_vs_rollout"] == 0.0
     layers = r3["mean_routing_mismatch_vs_rollout_per_layer"]
-    assert layers and all(value == 0.0 for value in layers.values()), layers
-    assert r2["mean_routing_mismatch_vs_rollout"] > 0.0
-    assert r3["mean_rollout_log_prob_abs_diff"] < r2["mean_rollout_log_prob_abs_diff"]
-    gspo = summary["variants"]["gspo_rollout"]
-    assert gspo["exit_code"] == 0 and gspo["steps"] == 1
-    assert gspo["mean_seq_log_ratio_abs_mean"] > 0  # the engine's bf16 likelihoods as pi_old
+    assert len(layers) == 2 and set(layers.values()) == {0.0}, layers
 
 
 def test_unknown_variant_is_refused(tmp_path):
