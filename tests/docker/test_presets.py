@@ -24,6 +24,7 @@ PRESETS = sorted(path.stem for path in Path(EXAMPLES_DIR).glob("*.yaml"))
 WORLD_SIZES = {
     "cpu_demo": 1,
     "cpu_tiny_4proc": 4,
+    "cpu_tool_use": 1,
     "qwen3_30b_a3b_gspo_1node": 8,
     "qwen3_30b_a3b_gspo_4node": 32,
     "qwen3_30b_a3b_grpo_r3": 32,
