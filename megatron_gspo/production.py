@@ -396,6 +396,9 @@ def generate(
                 rollout_log_probs=None
                 if result.output_log_probs is None
                 else torch.as_tensor(result.output_log_probs, dtype=torch.float32),
+                rollout_weight_versions=None
+                if result.output_weight_versions is None
+                else torch.as_tensor(result.output_weight_versions, dtype=torch.int64),
                 rollout_routes=None if routes is None else torch.from_numpy(routes),
                 finish_reason=result.finish_reason,
                 weight_version=result.weight_version,

@@ -31,7 +31,12 @@ class TrainSample:
     old_log_probs: Optional[torch.Tensor] = None
     """``[R]`` float32 log-probs under the sampling (old) policy at the rollout temperature."""
     rollout_log_probs: Optional[torch.Tensor] = None
-    """``[R]`` float32 log-probs reported by the rollout engine."""
+    """``[R]`` float32 log-probs reported by the rollout engine: the behaviour policy ``mu`` that
+    sampled each token (with partial rollouts, tokens of one sample come from several weight
+    versions; each log-prob is the one of the version that sampled its token)."""
+    rollout_weight_versions: Optional[torch.Tensor] = None
+    """``[R]`` int64 weight version that sampled each response token (None when the engine does
+    not report it); ``weight_version`` is the oldest."""
     ref_log_probs: Optional[torch.Tensor] = None
     """``[R]`` float32 log-probs under the frozen reference policy."""
     rollout_routes: Optional[torch.Tensor] = None
@@ -53,6 +58,7 @@ class TrainSample:
     reward: float = 0.0
     finish_reason: str = "stop"
     weight_version: int = 0
+    """The oldest weight version that sampled a token of the response."""
     metadata: dict[str, Any] = field(default_factory=dict)
 
     @property

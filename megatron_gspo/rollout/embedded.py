@@ -70,6 +70,8 @@ class _Sample:
     """Most tokens it may generate: ``max_new_tokens``, or less near ``max_positions``."""
     output_ids: list[int] = field(default_factory=list)
     log_probs: list[float] = field(default_factory=list)
+    token_versions: list[int] = field(default_factory=list)
+    """Weight version of the forward whose logits sampled each output token."""
     routes: list[torch.Tensor] = field(default_factory=list)
     """Chunks of ``[rows, M, K]`` expert ids, in token order."""
     weight_version: int = 0
@@ -488,7 +490,7 @@ class EmbeddedEngine(RolloutEngine):
                 token_list = tokens.tolist()
                 chosen = log_probs.gather(1, tokens.unsqueeze(1)).squeeze(1).tolist()
                 for row in running:
-                    self._append_token(live[row], token_list[row], chosen[row])
+                    self._append_token(live[row], token_list[row], chosen[row], version)
                 generated += 1
             keep = [row for row, sample in enumerate(live) if sample.finish_reason is None]
             if not keep:
@@ -521,9 +523,10 @@ class EmbeddedEngine(RolloutEngine):
                 if want_routes:
                     sample.routes.append(routes[row])
 
-    def _append_token(self, sample: _Sample, token: int, log_prob: float) -> None:
+    def _append_token(self, sample: _Sample, token: int, log_prob: float, version: int) -> None:
         sample.output_ids.append(token)
         sample.log_probs.append(log_prob)
+        sample.token_versions.append(version)
         if token in sample.request.stop_token_ids:
             sample.finish_reason, sample.matched_stop_token = "stop", token
         elif len(sample.output_ids) >= sample.length_limit:
@@ -548,6 +551,7 @@ class EmbeddedEngine(RolloutEngine):
             prompt_length=sample.prompt_length,
             weight_version=sample.weight_version,
             routed_experts=routed_experts,
+            output_weight_versions=np.asarray(sample.token_versions, dtype=np.int64),
             matched_stop_token=sample.matched_stop_token,
             abort_message=sample.abort_message,
         )

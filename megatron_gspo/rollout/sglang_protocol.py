@@ -163,6 +163,41 @@ def parse_weight_version(value: Any) -> int:
         ) from None
 
 
+def parse_weight_version_spans(spans: Any, num_tokens: int) -> Optional[np.ndarray]:
+    """``[R]`` int64 weight version per output token from SGLang's ``weight_versions``: spans
+    ``{"version", "start", "end"}`` over output-token offsets, ``end`` exclusive, covering every
+    token once. None when the answer has none (older servers)."""
+    if spans is None:
+        return None
+    if not isinstance(spans, list) or not all(isinstance(span, dict) for span in spans):
+        raise ValueError(f"weight_versions {spans!r} is not a list of spans")
+    versions = np.full(num_tokens, -1, dtype=np.int64)
+    for span in spans:
+        start, end = span.get("start"), span.get("end")
+        if not (
+            isinstance(start, int) and isinstance(end, int) and 0 <= start <= end <= num_tokens
+        ):
+            raise ValueError(f"weight_versions span {span!r} is outside the {num_tokens} tokens")
+        if (versions[start:end] != -1).any():
+            raise ValueError(f"weight_versions spans overlap at {span!r}")
+        versions[start:end] = parse_weight_version(span.get("version"))
+    if (versions == -1).any():
+        missing = int(np.flatnonzero(versions == -1)[0])
+        raise ValueError(f"weight_versions spans do not cover output token {missing}")
+    return versions
+
+
+def weight_version_spans(versions: np.ndarray) -> list[dict[str, Any]]:
+    """SGLang's ``weight_versions`` spans of per-token versions (runs of equal versions)."""
+    spans: list[dict[str, Any]] = []
+    for position, version in enumerate(int(v) for v in versions):
+        if spans and spans[-1]["version"] == str(version):
+            spans[-1]["end"] = position + 1
+        else:
+            spans.append({"version": str(version), "start": position, "end": position + 1})
+    return spans
+
+
 def _parse_item(
     item: Any, request: GenerateRequest, result_id: str, layout: Optional[RouteLayout]
 ) -> GenerateResult:
@@ -197,11 +232,11 @@ def _parse_item(
                     f"{token} ([logprob, token_id, text])"
                 )
         log_probs = np.asarray([float(entry[0]) for entry in entries], dtype=np.float32)
-    versions = meta.get("weight_versions")
-    if isinstance(versions, list) and versions:
+    token_versions = parse_weight_version_spans(meta.get("weight_versions"), len(output_ids))
+    if token_versions is not None and len(token_versions):
         # A sample whose tokens span several versions (an in-place update mid-generation) is
         # attributed to its oldest policy.
-        weight_version = min(parse_weight_version(span.get("version")) for span in versions)
+        weight_version = int(token_versions.min())
     else:
         weight_version = parse_weight_version(meta.get("weight_version"))
     routes = None
@@ -224,6 +259,7 @@ def _parse_item(
         prompt_length=len(request.input_ids),
         weight_version=weight_version,
         routed_experts=routes,
+        output_weight_versions=token_versions,
         matched_stop_token=finish.get("matched")
         if isinstance(finish.get("matched"), int)
         else None,
@@ -292,6 +328,8 @@ def result_json(
         "cached_tokens": 0,
         "weight_version": str(result.weight_version),
     }
+    if result.output_weight_versions is not None:
+        meta["weight_versions"] = weight_version_spans(result.output_weight_versions)
     if return_logprob:
         meta["output_token_logprobs"] = [
             [float(log_prob), int(token), None]

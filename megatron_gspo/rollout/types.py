@@ -91,7 +91,10 @@ class GenerateResult:
     ``routed_experts`` is ``[L - 1, M, K]`` logical expert ids in the format of
     :mod:`megatron_gspo.routes` (uint8 when there are at most 256 experts, int16 otherwise): rows
     are the prompt tokens and every generated token except the last, which is never run forward;
-    ``None`` when not asked.
+    ``None`` when not asked. ``output_weight_versions[j]`` is the weight version of the forward
+    whose logits sampled ``output_ids[j]`` (and gave ``output_log_probs[j]``): a request that
+    spans a weight sync (paused in place, continued with new weights) has tokens of several
+    versions; ``weight_version`` is the oldest of them.
     """
 
     request_id: str
@@ -101,6 +104,9 @@ class GenerateResult:
     prompt_length: int
     weight_version: int
     routed_experts: Optional[np.ndarray] = None
+    output_weight_versions: Optional[np.ndarray] = None
+    """``[R]`` int64 weight version per generated token; None when the engine does not say
+    (an SGLang answer without ``weight_versions`` spans)."""
     matched_stop_token: Optional[int] = None
     """The stop token that ended the sample (finish_reason == "stop")."""
     abort_message: Optional[str] = None
@@ -117,6 +123,19 @@ class GenerateResult:
                 f"result {self.request_id!r}: {len(self.output_log_probs)} log-probs for "
                 f"{len(self.output_ids)} output tokens"
             )
+        if self.output_weight_versions is not None:
+            if len(self.output_weight_versions) != len(self.output_ids):
+                raise ValueError(
+                    f"result {self.request_id!r}: {len(self.output_weight_versions)} weight "
+                    f"versions for {len(self.output_ids)} output tokens"
+                )
+            if len(self.output_ids) and int(np.min(self.output_weight_versions)) != int(
+                self.weight_version
+            ):
+                raise ValueError(
+                    f"result {self.request_id!r}: weight_version {self.weight_version} is not the "
+                    f"oldest of its tokens' versions ({int(np.min(self.output_weight_versions))})"
+                )
         if self.routed_experts is not None:
             num_positions = self.prompt_length + len(self.output_ids) - 1
             problem = route_shape_problem(self.routed_experts.shape, num_positions)

@@ -67,6 +67,7 @@ def _assert_same(results, expected, exact=True):
             np.testing.assert_allclose(got.output_log_probs, want.output_log_probs, atol=1e-5)
         np.testing.assert_array_equal(got.routed_experts, want.routed_experts)
         assert got.weight_version == want.weight_version
+        np.testing.assert_array_equal(got.output_weight_versions, want.output_weight_versions)
 
 
 def test_generate_equals_in_process_engine(served, model_config):
@@ -121,6 +122,7 @@ def test_disk_weight_update_changes_outputs(served, model_config, tmp_path):
 def _with_version(results, version):
     for result in results:
         result.weight_version = version
+        result.output_weight_versions = np.full(result.response_length, version)
     return results
 
 
@@ -181,6 +183,25 @@ def test_flush_is_retried_while_requests_run(served, model_config):
     patient.flush_cache()  # succeeds once the generation is over
     worker.join(timeout=30)
     assert outcome["results"][0].finish_reason == "length"
+
+
+def test_in_place_sync_over_http_reports_each_tokens_version(served, model_config, tmp_path):
+    """A weight sync lands while a request runs (paused in place, the disk update, continued):
+    the answer says which tokens each version sampled (SGLang's ``weight_versions`` spans)."""
+    engine, server = served
+    donor = EmbeddedEngine(model_config, seed=2)
+    client = _client(model_config, [server.url], weight_transport=DiskTransport(str(tmp_path)))
+    request = GenerateRequest(input_ids=[1, 2], max_new_tokens=250, return_routed_experts=True)
+    worker, outcome = _generate_in_thread(client, [request])
+    _wait_until_running(engine)
+    time.sleep(0.05)
+    sync_weights_paused(client, donor.hf_state(), version=4, pause_mode="in_place")
+    worker.join(timeout=60)
+    (result,) = outcome["results"]
+    versions = result.output_weight_versions
+    assert result.finish_reason == "length" and len(versions) == 250
+    assert versions[0] == 0 and versions[-1] == 4 and set(versions.tolist()) == {0, 4}
+    assert (np.diff(versions) >= 0).all() and result.weight_version == 0
 
 
 def test_pause_aborts_and_continue_resumes(served, model_config):

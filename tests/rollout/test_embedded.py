@@ -232,8 +232,11 @@ def test_in_place_pause_freezes_generation_and_sync_lands_between_steps(model_co
     worker.join(timeout=30)
     result = outcome["result"]
     assert result.finish_reason == "length" and result.response_length == 250
-    # Tokens came from both policies: the result is attributed to the oldest.
+    # Tokens came from both policies: each token says which one, the result names the oldest.
     assert result.weight_version == 0 and engine.weight_version == 3
+    versions = result.output_weight_versions
+    assert versions[0] == 0 and versions[-1] == 3 and set(versions.tolist()) == {0, 3}
+    assert (np.diff(versions) >= 0).all()
 
 
 def test_flush_refused_while_generating(engine):

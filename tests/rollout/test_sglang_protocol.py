@@ -16,6 +16,8 @@ from megatron_gspo.rollout.sglang_protocol import (
     encode_routed_experts,
     parse_generate_response,
     parse_weight_version,
+    parse_weight_version_spans,
+    weight_version_spans,
 )
 from megatron_gspo.rollout.types import GenerateRequest, RolloutEngineError
 
@@ -139,6 +141,41 @@ def _malformed(mutate, name="generate_single_stop_r3.json", replace=False):
     message = str(caught.value)
     assert f"{URL}/generate" in message
     return message
+
+
+def test_weight_version_spans_give_each_tokens_version():
+    spans = [{"version": "4", "start": 0, "end": 2}, {"version": "5", "start": 2, "end": 5}]
+    versions = parse_weight_version_spans(spans, 5)
+    np.testing.assert_array_equal(versions, [4, 4, 5, 5, 5])
+    assert weight_version_spans(versions) == spans
+    assert parse_weight_version_spans(None, 3) is None
+    assert parse_weight_version_spans([{"version": "1", "start": 0, "end": 0}], 0).size == 0
+    for broken, message in (
+        ([{"version": "4", "start": 0, "end": 2}], "do not cover output token 2"),
+        ([{"version": "4", "start": 0, "end": 4}], "outside the 3 tokens"),
+        (
+            [{"version": "4", "start": 0, "end": 2}, {"version": "5", "start": 1, "end": 3}],
+            "overlap",
+        ),
+    ):
+        with pytest.raises(ValueError, match=message):
+            parse_weight_version_spans(broken, 3)
+
+
+def test_partial_rollout_answer_is_attributed_per_token():
+    """An answer whose tokens span an in-place weight update (SGLang 0.5.23's spans; its
+    ``weight_version`` names the newest)."""
+    recorded = _fixture("generate_single_stop_r3.json")
+    requests, n = _requests_of(recorded)
+    answer = copy.deepcopy(recorded["response"])
+    answer["meta_info"]["weight_version"] = "13"
+    answer["meta_info"]["weight_versions"] = [
+        {"version": "12", "start": 0, "end": 1},
+        {"version": "13", "start": 1, "end": 3},
+    ]
+    (result,) = parse_generate_response(answer, requests, n, LAYOUT)
+    np.testing.assert_array_equal(result.output_weight_versions, [12, 13, 13])
+    assert result.weight_version == 12
 
 
 def test_malformed_answers_give_clear_errors():
