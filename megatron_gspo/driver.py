@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_gspo.config import ConfigError, TrainConfig, to_dict
+from megatron_gspo.ledger import PromptLedger
 from megatron_gspo.metrics import MetricsLogger, pass_at_k, rollout_metrics
 from megatron_gspo.production import (
     SampleProducer,
@@ -74,6 +75,12 @@ class Driver(abc.ABC):
         """Collective: the scored samples of RL step ``step``, on every rank."""
 
     @abc.abstractmethod
+    def mark_trained(self, step: int) -> None:
+        """Step ``step`` trained the batch :meth:`rollout` gave it: its prompts are no longer
+        pending, and ``trained_prompts.jsonl`` gets the step's line (see ``ledger.py``). Called
+        before the step's checkpoint."""
+
+    @abc.abstractmethod
     def supervised_batch(self) -> list[TrainSample]:
         """Collective: the next prompts with their reference answers as samples of advantage 1
         (the supervised warm-up), on every rank."""
@@ -99,7 +106,8 @@ class Driver(abc.ABC):
 
     @abc.abstractmethod
     def state_dict(self) -> dict:
-        """What a checkpoint must hold to resume the data where it stopped."""
+        """What a checkpoint must hold to resume the data where it stopped: the stream's position
+        and the prompts served but not yet trained."""
 
 
 def build_driver(cfg: TrainConfig, *, rank: int, resources: ExitStack) -> Driver:
@@ -187,8 +195,12 @@ class RolloutDriver(Driver):
             )
         self.rollout_engine: RolloutEngine = resources.enter_context(build_rollout(cfg))
         self.producer: SampleProducer = self.make_producer(Sampling.training(cfg))
+        self.ledger = PromptLedger(self.task.stream, cfg.output_dir)
         self.logger: Optional[MetricsLogger] = None
         self._records: list[dict] = []
+        self._batch_prompts: tuple[list[int], list[int]] = ([], [])
+        """Stream ids of the prompts the last :meth:`rollout` trained and dropped (dynamic
+        sampling's uninformative groups)."""
 
     def make_producer(self, sampling: Sampling) -> SampleProducer:
         """The run's way of producing samples (an environment's episodes or one completion per
@@ -208,7 +220,8 @@ class RolloutDriver(Driver):
 
     def start(self, step: int, data_state: Optional[dict]) -> None:
         if data_state is not None:
-            self.task.stream.load_state_dict(data_state)
+            self.ledger.load_state_dict(data_state)
+        self.ledger.start(step)
         self.logger = MetricsLogger(
             self.cfg.output_dir,
             self.cfg.logging,
@@ -219,7 +232,13 @@ class RolloutDriver(Driver):
         self.resources.callback(self.logger.close)
 
     def rollout(self, step: int) -> RolloutBatch:
-        produced = collect_step_batch(self.producer, self.task.stream, step, self.cfg)
+        drawn = _DrawnPrompts(self.ledger)
+        produced = collect_step_batch(self.producer, drawn, step, self.cfg)
+        trained = list(dict.fromkeys(s.group_id for s in produced.samples if s.group_id >= 0))
+        dropped = [prompt.group_id for prompt in drawn.prompts if prompt.group_id not in trained]
+        # Every prompt drawn for a synchronous step is resolved by it: trained, or dropped by
+        # dynamic sampling (its groups all aborted, it was not trained either).
+        self._batch_prompts = (trained, dropped)
         if self.cfg.rollout.sglang_release_memory:
             # Colocated servers give their GPU memory to the trainer until the weight sync.
             self.rollout_engine.release_memory()
@@ -231,7 +250,12 @@ class RolloutDriver(Driver):
         }
         return RolloutBatch(samples, metrics)
 
+    def mark_trained(self, step: int) -> None:
+        trained, dropped = self._batch_prompts
+        self.ledger.mark_trained(step, trained, dropped=dropped)
+
     def supervised_batch(self) -> list[TrainSample]:
+        # Straight from the stream: warm-up prompts are consumed, not pending RL prompts.
         prompts = self.task.stream.next_batch(self.cfg.algo.rollout_batch_size)
         if self.environment_factory is not None:
             from megatron_gspo.envs import demonstration_samples
@@ -264,7 +288,21 @@ class RolloutDriver(Driver):
         return self._records
 
     def state_dict(self) -> dict:
-        return self.task.stream.state_dict()
+        return self.ledger.state_dict()
+
+
+class _DrawnPrompts:
+    """The prompt source of one synchronous step: the ledger's prompts (re-queued ones first),
+    remembering which it served."""
+
+    def __init__(self, ledger: PromptLedger):
+        self.ledger = ledger
+        self.prompts: list[Prompt] = []
+
+    def next_batch(self, batch_size: int) -> list[Prompt]:
+        prompts = self.ledger.take(batch_size)
+        self.prompts += prompts
+        return prompts
 
 
 # ----------------------------------------------------------------------------------------------
@@ -280,6 +318,9 @@ class DriverFollower(Driver):
 
     def rollout(self, step: int) -> RolloutBatch:
         return RolloutBatch(broadcast_samples(None))
+
+    def mark_trained(self, step: int) -> None:
+        pass
 
     def supervised_batch(self) -> list[TrainSample]:
         return broadcast_samples(None)

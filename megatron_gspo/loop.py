@@ -83,6 +83,7 @@ def run(cfg: TrainConfig) -> list[dict]:
             with _timed(timings, "weight_sync"):
                 sync_stats = driver.sync_weights(engine.hf_weights(), version=step + 1)
 
+            driver.mark_trained(step)  # trained_prompts.jsonl, before the step's checkpoint
             state.step = step + 1
             state.data = driver.state_dict()
             metrics = {

@@ -45,6 +45,11 @@ class PromptStream(Protocol):
 
     def next_batch(self, batch_size: int) -> list[Prompt]: ...
 
+    def prompts_by_id(self, stream_ids: list[int]) -> list[Prompt]:
+        """The prompts this stream served as ``stream_ids`` (their group ids), again: exactly-once
+        resumes re-queue the prompts a checkpoint lists as served but not yet trained."""
+        ...
+
     def state_dict(self) -> dict[str, Any]: ...
 
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
@@ -84,6 +89,16 @@ class FilePromptStream:
             self.position += 1
             self.consumed += 1
         return batch
+
+    def prompts_by_id(self, stream_ids: list[int]) -> list[Prompt]:
+        # Prompt k of the stream is position k % n of epoch k // n (every epoch serves n).
+        prompts = []
+        for stream_id in stream_ids:
+            _check_served(stream_id, self.consumed)
+            epoch, position = divmod(int(stream_id), len(self.dataset))
+            order = self._order if epoch == self.epoch else self._epoch_order(epoch)
+            prompts.append(self.dataset.prompt(int(order[position]), int(stream_id)))
+        return prompts
 
     def _fingerprint(self) -> dict[str, Any]:
         if self._content_hash is None:
@@ -153,6 +168,24 @@ class SyntheticPromptStream:
             self.consumed += 1
         return batch
 
+    def prompts_by_id(self, stream_ids: list[int]) -> list[Prompt]:
+        wanted = {int(stream_id) for stream_id in stream_ids}
+        for stream_id in wanted:
+            _check_served(stream_id, self.consumed)
+        # Walk the generator back from the cursor (skipped eval-overlap draws have no id): the
+        # prompts a resume re-queues are the last few batches served.
+        found: dict[int, Prompt] = {}
+        index, stream_id = self.index - 1, self.consumed - 1
+        while len(found) < len(wanted):
+            digits = draw_digits(self.seed, TRAIN_STREAM, index)
+            if tuple(digits) not in self._eval_digits:
+                if stream_id in wanted:
+                    source = f"{self.task}:train:{index}"
+                    found[stream_id] = synthetic_prompt(self.task, digits, source, stream_id)
+                stream_id -= 1
+            index -= 1
+        return [found[int(stream_id)] for stream_id in stream_ids]
+
     def _fingerprint(self) -> dict[str, Any]:
         return {"task": self.task, "seed": self.seed, "num_eval_prompts": self.num_eval_prompts}
 
@@ -184,6 +217,14 @@ def synthetic_prompt(task: str, digits: list[int], source: str, group_id: int) -
         source=source,
         group_id=group_id,
     )
+
+
+def _check_served(stream_id: int, consumed: int) -> None:
+    if not 0 <= stream_id < consumed:
+        raise ValueError(
+            f"prompt {stream_id} of the stream was never served (the stream has served "
+            f"{consumed}): a checkpoint's pending prompt ids must come from its own stream"
+        )
 
 
 def _check_fingerprint(expected: dict[str, Any], state: dict[str, Any]) -> None:

@@ -125,6 +125,26 @@ def test_synthetic_train_skips_eval_prompts(monkeypatch):
     batch = stream.next_batch(3)
     assert [p.source for p in batch] == [f"digit_reversal:train:{i}" for i in (0, 2, 3)]
     assert stream.stats()["data_skipped_eval_overlap"] == 1
+    # Served prompts again by stream id, across the skipped draw.
+    assert stream.prompts_by_id([2, 0, 1]) == [batch[2], batch[0], batch[1]]
+
+
+def test_prompts_by_id_serves_the_same_prompts_again(prompt_file, tokenizer):
+    """Exactly-once resumes re-queue prompts by stream id: the same prompt, also from another
+    epoch, from a stream restored from the state."""
+    stream = make_stream(prompt_file, tokenizer)
+    served = stream.next_batch(2 * NUM_PROMPTS + 3)
+    ids = [16, 0, 9, 6, 7]
+    assert stream.prompts_by_id(ids) == [served[i] for i in ids]
+    restored = make_stream(prompt_file, tokenizer)
+    restored.load_state_dict(stream.state_dict())
+    assert restored.prompts_by_id(ids) == [served[i] for i in ids]
+    synthetic = SyntheticPromptStream("digit_copy", seed=2, num_eval_prompts=4)
+    drawn = synthetic.next_batch(6)
+    assert synthetic.prompts_by_id([5, 1]) == [drawn[5], drawn[1]]
+    for never_served in (17, -1):
+        with pytest.raises(ValueError, match="never served"):
+            stream.prompts_by_id([never_served])
 
 
 def test_build_from_config_synthetic():
