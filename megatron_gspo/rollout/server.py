@@ -445,17 +445,22 @@ class _Handler(BaseHTTPRequestHandler):
 
 def main(argv: Optional[list[str]] = None) -> None:
     """``python -m megatron_gspo.rollout.server --api-key KEY --port P [--model-config JSON]
-    [--seed S] [--dtype float32|bfloat16|float16]``: serve a randomly initialised embedded engine until interrupted (weights arrive
-    through ``/update_weights_from_disk``). ``--api-key`` as SGLang's: clients must send it."""
+    [--seed S] [--dtype float32|bfloat16|float16] [--threads T]``: serve a randomly initialised
+    embedded engine until interrupted (weights arrive through ``/update_weights_from_disk``).
+    ``--api-key`` as SGLang's: clients must send it; without it the key comes from the
+    environment variable ``MEGATRON_GSPO_SGLANG_API_KEY`` (which, unlike a command line, other
+    users cannot read)."""
     import argparse
     import dataclasses
 
     from megatron_gspo.config import ModelConfig, from_dict
+    from megatron_gspo.rollout.auth import API_KEY_ENV, api_key_from_environment
 
     parser = argparse.ArgumentParser(description=main.__doc__)
     parser.add_argument("--host", default=LOOPBACK_HOST, help="must be 127.0.0.1")
     parser.add_argument("--port", type=int, default=0)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
     parser.add_argument(
         "--dtype",
         default="float32",
@@ -463,7 +468,9 @@ def main(argv: Optional[list[str]] = None) -> None:
         help="the engine's parameter and compute dtype (rollout.dtype)",
     )
     parser.add_argument(
-        "--api-key", required=True, help="the secret clients send as 'Authorization: Bearer KEY'"
+        "--api-key",
+        default=api_key_from_environment(),
+        help=f"the secret clients send as 'Authorization: Bearer KEY' (default: ${API_KEY_ENV})",
     )
     parser.add_argument(
         "--model-config",
@@ -471,6 +478,10 @@ def main(argv: Optional[list[str]] = None) -> None:
         help=f"JSON of ModelConfig fields ({', '.join(f.name for f in dataclasses.fields(ModelConfig))})",
     )
     args = parser.parse_args(argv)
+    if not args.api_key:
+        parser.error(f"--api-key (or ${API_KEY_ENV}) is required: the server refuses keyless use")
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
     if args.host != LOOPBACK_HOST:
         parser.error(
             f"--host {args.host}: the embedded server binds {LOOPBACK_HOST} only (its key travels "

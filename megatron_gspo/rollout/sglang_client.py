@@ -38,6 +38,7 @@ from megatron_gspo.rollout.sglang_protocol import (
     RouteLayout,
     build_generate_payload,
     parse_generate_response,
+    parse_weight_version,
 )
 from megatron_gspo.rollout.types import (
     GenerateRequest,
@@ -81,6 +82,8 @@ class SGLangEngine(RolloutEngine):
             the CUDA cache every step cost minutes per sync on large models, slime#67).
         on_close: callables run by :meth:`close` (stopping servers this client owns).
         api_key: the servers' ``--api-key``, sent as a bearer token on every call (None: none).
+        restarters: URL -> callable(timeout_s) that restarts that server (one this client's
+            owner launched) and returns once it is healthy; :meth:`recover` waits for the others.
     """
 
     def __init__(
@@ -101,6 +104,7 @@ class SGLangEngine(RolloutEngine):
         initial_weight_version: int = 0,
         on_close: Sequence[Any] = (),
         api_key: Optional[str] = None,
+        restarters: Optional[dict[str, Any]] = None,
     ):
         if not urls:
             raise ValueError("SGLangEngine needs at least one server URL")
@@ -127,6 +131,8 @@ class SGLangEngine(RolloutEngine):
         self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._pause_mode: Optional[str] = None
         self._memory_released = False
+        self._restarters = {url.rstrip("/"): restart for url, restart in (restarters or {}).items()}
+        self._recover_lock = threading.Lock()
 
     @classmethod
     def from_config(
@@ -398,6 +404,63 @@ class SGLangEngine(RolloutEngine):
                 logger.warning("%s/health_generate: HTTP %d", server.url, response.status_code)
                 return False
         return True
+
+    def recover(self, timeout_s: float) -> Optional[SyncStats]:
+        """Restart (or wait for) servers that do not answer, then send the newest weights again
+        to any server that holds another version (a restarted server starts from its initial
+        weights). One recovery at a time."""
+        deadline = time.monotonic() + timeout_s
+        with self._recover_lock:
+            for server in self.servers:
+                if self._answers(server.url):
+                    continue
+                restart = self._restarters.get(server.url)
+                if restart is not None:
+                    logger.warning("rollout server %s is gone: restarting it", server.url)
+                    restart(max(deadline - time.monotonic(), 0.0))
+                    continue
+                logger.warning("rollout server %s does not answer: waiting for it", server.url)
+                while not self._answers(server.url):
+                    if time.monotonic() > deadline:
+                        raise RolloutEngineError(
+                            f"{server.url} did not answer again within {timeout_s:.0f}s; it is "
+                            "not a server this run launched, so it cannot be restarted from here"
+                        )
+                    time.sleep(min(1.0, self.retry_backoff_s))
+            # The newest weights: the transport's copy (a sync that failed after writing it
+            # counts), else the last version synced.
+            copy = None if self.weight_transport is None else self.weight_transport.latest_version
+            target = self._weight_version if copy is None else copy
+            stale = [
+                server.url for server in self.servers if self._server_version(server.url) != target
+            ]
+            stats = None
+            if stale:
+                if self.weight_transport is not None:
+                    stats = self.weight_transport.resend(self)
+                if stats is None:
+                    raise RolloutEngineError(
+                        f"{', '.join(stale)} came back without the trainer's weights (version "
+                        f"{target}), and the "
+                        f"{getattr(self.weight_transport, 'name', 'configured')} weight transport "
+                        "keeps no copy to send again (rollout.weight_transport=disk does)"
+                    )
+                logger.warning("rollout servers %s re-synced to weight version %d", stale, target)
+            self._weight_version = target
+            return stats
+
+    def _answers(self, url: str) -> bool:
+        try:
+            response = self._session().get(url + "/health_generate", timeout=self.control_timeout_s)
+        except requests.RequestException:
+            return False
+        return response.status_code == 200
+
+    def _server_version(self, url: str) -> int:
+        body = _json_or_text(self.request("GET", url, "/model_info"))
+        if not isinstance(body, dict):
+            raise RolloutEngineError(f"{url}/model_info: malformed answer {_excerpt(body)}")
+        return parse_weight_version(body.get("weight_version"))
 
     def info(self) -> dict[str, Any]:
         servers = []

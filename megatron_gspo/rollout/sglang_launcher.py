@@ -174,9 +174,18 @@ class SGLangServerProcess:
         server.stop()
     """
 
-    def __init__(self, command: Sequence[str], log_path: str, env: Optional[dict[str, str]] = None):
+    def __init__(
+        self,
+        command: Sequence[str],
+        log_path: str,
+        env: Optional[dict[str, str]] = None,
+        *,
+        name: str = "SGLang server",
+    ):
         self.command = list(command)
         self.log_path = log_path
+        self.name = name
+        """What the server is, in messages."""
         self.url = _url_of(self.command)
         self.env = {**os.environ, **(env or {})}
         self.process: Optional[subprocess.Popen] = None
@@ -186,7 +195,7 @@ class SGLangServerProcess:
         # SGLang logs its arguments, the API key among them: the log is for this user only.
         descriptor = os.open(self.log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
         log_file = os.fdopen(descriptor, "ab")
-        logger.info("starting SGLang: %s (log %s)", redacted(self.command), self.log_path)
+        logger.info("starting %s: %s (log %s)", self.name, redacted(self.command), self.log_path)
         # The server is SIGKILLed by the kernel if the trainer dies without stopping it (a
         # SIGKILLed trainer runs no cleanup); see megatron_gspo.lifetime.
         self.process = subprocess.Popen(
@@ -218,7 +227,7 @@ class SGLangServerProcess:
             code = self.process.poll()
             if code is not None:
                 raise RolloutEngineError(
-                    f"SGLang server {self.url} exited with code {code} while starting; last log "
+                    f"{self.name} {self.url} exited with code {code} while starting; last log "
                     f"lines ({self.log_path}):\n{self.log_tail()}"
                 )
             try:
@@ -231,7 +240,7 @@ class SGLangServerProcess:
                 pass
             time.sleep(poll_s)
         raise RolloutEngineError(
-            f"SGLang server {self.url} not healthy after {deadline_s:.0f}s; last log lines "
+            f"{self.name} {self.url} not healthy after {deadline_s:.0f}s; last log lines "
             f"({self.log_path}):\n{self.log_tail()}"
         )
 

@@ -63,6 +63,17 @@ class WeightTransport(abc.ABC):
     ) -> SyncStats:
         """Move every tensor to every server of ``client`` and set their weight version."""
 
+    def resend(self, client: Any) -> Optional[SyncStats]:
+        """Send the newest weights again, without the trainer, to servers that lost them (a
+        restarted server); None when this transport keeps no copy of them."""
+        return None
+
+    @property
+    def latest_version(self) -> Optional[int]:
+        """Version of the newest weights this transport holds a copy of (written, maybe not
+        loaded by every server); None when it keeps none."""
+        return None
+
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release process groups or files."""
 
@@ -202,6 +213,9 @@ class DiskTransport(WeightTransport):
         self.shard_bytes = shard_bytes
         self.keep_last = keep_last
         self._written: list[str] = []
+        self._latest: Optional[tuple[str, int, int, int]] = None
+        """``(directory, version, tensors, bytes)`` of the newest weights written, loaded or not
+        (what :meth:`resend` sends to a restarted server)."""
 
     def sync(
         self, client: Any, named_tensors: Iterator[tuple[str, Any]], version: int
@@ -217,6 +231,20 @@ class DiskTransport(WeightTransport):
             config_source_dir=self.config_source_dir,
             config_json=self.config_json,
         )
+        self._latest = (path, version, num_tensors, num_bytes)
+        return self._load(client, start)
+
+    def resend(self, client: Any) -> Optional[SyncStats]:
+        if self._latest is None:
+            return None
+        return self._load(client, time.perf_counter())
+
+    @property
+    def latest_version(self) -> Optional[int]:
+        return None if self._latest is None else self._latest[1]
+
+    def _load(self, client: Any, start: float) -> SyncStats:
+        path, version, num_tensors, num_bytes = self._latest
         client.post_all(
             "/update_weights_from_disk",
             {
@@ -227,7 +255,8 @@ class DiskTransport(WeightTransport):
             },
             timeout=client.request_timeout_s,
         )
-        self._written.append(path)
+        if path not in self._written:
+            self._written.append(path)
         while len(self._written) > self.keep_last:
             shutil.rmtree(self._written.pop(0), ignore_errors=True)
         return SyncStats(version, num_tensors, num_bytes, time.perf_counter() - start)

@@ -259,6 +259,14 @@ class RolloutEngine(abc.ABC):
     def weight_version(self) -> int:
         """Version of the weights generating now."""
 
+    def recover(self, timeout_s: float) -> Optional[SyncStats]:
+        """Bring back an engine whose servers died or restarted, within ``timeout_s``: restart
+        the servers it launched (or wait for the others to answer again) and load the newest
+        weights it was sent into every server that lost them, so that it never serves older
+        weights. Returns the stats of the weights sent again (None: none was needed). Raises
+        :class:`RolloutEngineError` when it cannot; an in-process engine cannot die alone."""
+        raise RolloutEngineError(f"{type(self).__name__} cannot be restarted")
+
     def info(self) -> dict[str, Any]:
         """Static description of the engine (kind, model, versions) for logs."""
         return {"engine": type(self).__name__, "weight_version": self.weight_version}

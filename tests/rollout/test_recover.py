@@ -1,0 +1,90 @@
+"""Bringing a rollout engine back: the loopback server in a child process, SIGKILLed and restarted,
+and an external server that restarted on its own; both get the newest weights again before they
+serve (``SGLangEngine.recover``)."""
+
+from __future__ import annotations
+
+import signal
+
+import numpy as np
+import pytest
+
+from megatron_gspo.rollout.embedded import EmbeddedEngine
+from megatron_gspo.rollout.server import EmbeddedServer
+from megatron_gspo.rollout.server_process import EmbeddedServerProcess
+from megatron_gspo.rollout.sglang_client import SGLangEngine
+from megatron_gspo.rollout.sglang_protocol import RouteLayout
+from megatron_gspo.rollout.sglang_weights import DiskTransport
+from megatron_gspo.rollout.types import GenerateRequest, RolloutEngineError
+
+API_KEY = "test-recover-key"
+
+
+def _request() -> GenerateRequest:
+    return GenerateRequest(input_ids=[3, 1, 4], max_new_tokens=6, seed=5, temperature=0.8)
+
+
+def _client(model_config, url, tmp_path, **options) -> SGLangEngine:
+    return SGLangEngine(
+        [url],
+        RouteLayout.from_model_config(model_config),
+        weight_transport=DiskTransport(str(tmp_path / "weights")),
+        api_key=API_KEY,
+        retry_backoff_s=0.05,
+        max_retries=1,
+        **options,
+    )
+
+
+def _kill(server: EmbeddedServerProcess) -> None:
+    server.process.process.send_signal(signal.SIGKILL)
+    server.process.process.wait()
+
+
+def test_dead_server_process_comes_back_with_the_newest_weights(model_config, tmp_path):
+    server = EmbeddedServerProcess(
+        model_config, api_key=API_KEY, log_path=str(tmp_path / "server.log"), threads=1
+    ).start()
+    try:
+        owner = _client(model_config, server.url, tmp_path, restarters={server.url: server.restart})
+        donor = EmbeddedEngine(model_config, seed=2)
+        owner.sync_weights(donor.hf_state(), version=3)
+        expected = donor.generate([_request()])[0]
+        assert owner.recover(60) is None  # nothing to do while it answers with version 3
+
+        # The client that launched it restarts it.
+        _kill(server)
+        with pytest.raises(RolloutEngineError, match="unreachable or died"):
+            owner.generate([_request()])
+        stats = owner.recover(120)
+        assert stats.weight_version == 3 and server.restarts == 1
+        (result,) = owner.generate([_request()])
+        assert result.weight_version == 3 and result.output_ids == expected.output_ids
+        np.testing.assert_allclose(result.output_log_probs, expected.output_log_probs, atol=1e-6)
+        # The process gets the key from its environment, never on its command line.
+        assert API_KEY not in " ".join(server.process.command)
+
+        # A client that did not launch it waits for it (its operator restarts it), never
+        # restarts it, and sends the weights again once it answers.
+        guest = _client(model_config, server.url, tmp_path / "guest")
+        guest.sync_weights(donor.hf_state(), version=4)
+        _kill(server)
+        with pytest.raises(RolloutEngineError, match="did not answer again within 0s"):
+            guest.recover(0)
+        server.restart(120)
+        assert guest.recover(30).weight_version == 4
+        assert guest.generate([_request()])[0].output_ids == expected.output_ids
+    finally:
+        server.stop()
+
+
+def test_transport_without_a_copy_cannot_resend(model_config, tmp_path):
+    first = EmbeddedServer(EmbeddedEngine(model_config, seed=1), api_key=API_KEY).start()
+    try:
+        # The client synced version 4 through a transport that keeps no copy; the server (a
+        # restart) holds version 0.
+        client = SGLangEngine([first.url], api_key=API_KEY, initial_weight_version=4)
+        with pytest.raises(RolloutEngineError, match="keeps no copy"):
+            client.recover(10)
+    finally:
+        first.close()
