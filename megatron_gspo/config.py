@@ -191,6 +191,34 @@ class RolloutConfig:
     backoff."""
     max_concurrency: int = 256
     """Most /generate calls in flight over all servers."""
+    max_staleness: int = 0
+    """Asynchronous training (docs/async.md): the rollout engine keeps generating the next steps'
+    samples while the trainer updates, and a sample trained at weight version ``v`` was generated
+    entirely by versions ``>= v - max_staleness``; groups that would exceed it are generated
+    again (counted), never trained stale or dropped. 0 is the synchronous loop (generation, then
+    the update). Peers: AReaL ``max_head_offpolicyness``, NeMo-RL ``max_trajectory_age_steps``,
+    miles ``--max-weight-staleness``, TRL ``max_staleness``; 1 (one step off-policy) is their
+    common choice."""
+    partial_rollouts: bool = True
+    """With max_staleness >= 1: a weight sync does not wait for the requests in flight; they are
+    paused in place, the weights are swapped between two decode steps and they continue, each
+    token carrying the version that sampled it (slime ``--partial-rollout``, verl
+    ``async_training.partial_rollout``, NeMo-RL ``in_flight_weight_updates``). false: the sync
+    waits until the requests in flight have finished, so every sample has one version."""
+    embedded_server_process: bool = False
+    """rollout.engine=embedded_http: run the loopback server in a child process of its own
+    (``python -m megatron_gspo.rollout.server``) instead of a thread of the trainer. Generation
+    then runs beside training without sharing the trainer's Python interpreter lock (what makes
+    asynchronous training overlap on a CPU), and a server that dies is restarted."""
+    engine_threads: Optional[int] = None
+    """torch threads of the child server process (rollout.embedded_server_process); null: torch's
+    default (every core). On a machine where trainer and engine share few cores, 1 each avoids
+    oversubscription (docs/async.md)."""
+    engine_restart_timeout_s: float = 120.0
+    """With max_staleness >= 1: how long a rollout engine that stopped answering may take to come
+    back (a server this run launched is restarted, another is waited for) and to take the current
+    weights again (from the disk weight transport's newest files); past it the run saves a
+    checkpoint and stops (exit 3). Its lost requests are generated again."""
 
     def __post_init__(self) -> None:
         _check_choice(
@@ -256,6 +284,26 @@ class RolloutConfig:
             )
         _check_positive("rollout.request_timeout_s", self.request_timeout_s)
         _check_positive("rollout.max_retries", self.max_retries, allow_zero=True)
+        _check_positive("rollout.max_staleness", self.max_staleness, allow_zero=True)
+        _check_positive(
+            "rollout.engine_restart_timeout_s", self.engine_restart_timeout_s, allow_zero=True
+        )
+        if self.embedded_server_process and self.engine != "embedded_http":
+            raise ConfigError(
+                "rollout.embedded_server_process",
+                f"embedded_server_process=true with rollout.engine={self.engine!r}",
+                "only the loopback server of engine embedded_http runs in a process of its own",
+                "set rollout.engine=embedded_http, or rollout.embedded_server_process=false",
+            )
+        if self.engine_threads is not None:
+            _check_positive("rollout.engine_threads", self.engine_threads)
+            if not self.embedded_server_process:
+                raise ConfigError(
+                    "rollout.engine_threads",
+                    f"engine_threads={self.engine_threads} without a server process",
+                    "it sets the torch threads of the child server process",
+                    "set rollout.embedded_server_process=true, or rollout.engine_threads=null",
+                )
         if not 0 < self.sglang_mem_fraction < 1:
             raise ConfigError(
                 "rollout.sglang_mem_fraction",
@@ -628,6 +676,22 @@ class TrainConfig:
                 f"{self.data.train_path}: it compares response tokens with answer digits, which "
                 "means nothing for other data; set reward.functions to a reward for your task, "
                 "e.g. [math], [exact_match] or [my_package.rewards:score]",
+            )
+        if self.rollout.max_staleness and algo.dynamic_sampling:
+            raise ConfigError(
+                "algo.dynamic_sampling",
+                f"dynamic sampling with rollout.max_staleness={self.rollout.max_staleness}",
+                "the asynchronous producer does not filter groups yet (docs/async.md)",
+                "set algo.dynamic_sampling=false, or rollout.max_staleness=0",
+            )
+        if self.rollout.max_staleness and algo.old_log_prob_source == "detach":
+            raise ConfigError(
+                "algo.old_log_prob_source",
+                f"detach with rollout.max_staleness={self.rollout.max_staleness}",
+                "detach takes the current policy as the one that sampled, so samples of older "
+                "weights would be trained as if fresh (no importance ratio against their policy)",
+                "set algo.old_log_prob_source=rollout (the engine's log-probs: GSPO's ratio "
+                "corrects the staleness) or recompute (a proximal policy, docs/async.md)",
             )
         if algo.routing_replay == "r3" and self.rollout.engine == "sglang":
             _warn(

@@ -22,7 +22,7 @@ import os
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -111,21 +111,33 @@ class Driver(abc.ABC):
 
 
 def build_driver(cfg: TrainConfig, *, rank: int, resources: ExitStack) -> Driver:
-    """The driver of global rank ``rank``: the :class:`RolloutDriver` on rank 0. What it starts
+    """The driver of global rank ``rank``: on rank 0 the :class:`RolloutDriver`, or with
+    ``rollout.max_staleness >= 1`` the asynchronous one (``async_driver.py``). What it starts
     (reward workers, the rollout engine and its servers, log sinks) is registered in
     ``resources`` as soon as it exists, so the run's exit stack stops it on any exit, also when
     a later piece fails to start."""
-    if rank == 0:
-        return RolloutDriver(cfg, resources)
-    return DriverFollower()
+    if rank != 0:
+        return DriverFollower()
+    if cfg.rollout.max_staleness:
+        from megatron_gspo.async_driver import AsyncRolloutDriver
+
+        return AsyncRolloutDriver(cfg, resources)
+    return RolloutDriver(cfg, resources)
 
 
-def broadcast_samples(samples: Optional[list[TrainSample]]) -> list[TrainSample]:
-    """Rank 0's samples on every rank (pickled over the default group; small next to a step)."""
+def broadcast_samples(
+    samples: Union[None, list[TrainSample], BaseException],
+) -> list[TrainSample]:
+    """Rank 0's samples on every rank (pickled over the default group; small next to a step).
+
+    Rank 0 may send an exception instead: the other ranks raise it (rank 0 raises its own), so
+    that a failed rollout stops every rank instead of leaving them waiting here."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return samples
     payload = [samples]
     dist.broadcast_object_list(payload, src=0)
+    if isinstance(payload[0], BaseException) and dist.get_rank() != 0:
+        raise payload[0]
     return payload[0]
 
 

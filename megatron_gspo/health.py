@@ -11,7 +11,9 @@ do; ``python -m megatron_gspo.train`` prints it without a traceback and exits wi
   ``reward.failure_reward`` and the advantages would all be zero;
 - a collapsed policy: ``optim.max_collapsed_steps`` RL steps in a row whose every optimizer step
   had a gradient norm of exactly 0 while the advantages were not zero
-  (:class:`CollapseGuard`, called by the loop).
+  (:class:`CollapseGuard`, called by the loop);
+- a lost rollout engine: :class:`RolloutEngineLost`, an engine that died and did not come back
+  within ``rollout.engine_restart_timeout_s`` (the loop saves a checkpoint first).
 """
 
 from __future__ import annotations
@@ -82,6 +84,17 @@ class CollapseGuard:
             "lower optim.lr and start again from the initial weights or a checkpoint saved "
             "before the collapse; optim.max_collapsed_steps=0 disables this stop",
         )
+
+
+class RolloutEngineLost(RunStopped):
+    """The rollout engine stopped answering and could not be restarted and re-synced in time.
+
+    Raised on every rank (it travels in the driver's broadcast, so it pickles with its fields);
+    the loop saves a checkpoint of the last trained step before it propagates, and the prompts
+    whose samples were lost are pending in it, generated again on resume."""
+
+    def __reduce__(self):
+        return (type(self), (self.what, self.why, self.fix))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -18,7 +18,7 @@ import torch
 
 from megatron_gspo.config import TrainConfig
 from megatron_gspo.driver import build_driver
-from megatron_gspo.health import CollapseGuard, raise_if_interrupted
+from megatron_gspo.health import CollapseGuard, RolloutEngineLost, raise_if_interrupted
 from megatron_gspo.metrics import headline_metrics, log_prob_gap_metrics
 from megatron_gspo.policy_stages import (
     assign_advantages,
@@ -32,6 +32,7 @@ from megatron_gspo.run_setup import (
     resolve_model,
     resume_checkpoint,
     save_checkpoint,
+    save_checkpoint_unless_saved,
 )
 
 
@@ -70,7 +71,11 @@ def run(cfg: TrainConfig) -> list[dict]:
             started = time.perf_counter()
             timings: dict[str, float] = {}
 
-            batch = driver.rollout(step)  # generated and scored on rank 0, on every rank
+            try:
+                batch = driver.rollout(step)  # generated and scored on rank 0, on every rank
+            except RolloutEngineLost:  # keep what was trained; its untrained prompts are pending
+                save_checkpoint_unless_saved(engine, cfg, state.state_dict())
+                raise
             samples = batch.samples
             with _timed(timings, "old_log_probs"):
                 set_old_log_probs(engine, samples, cfg.algo)

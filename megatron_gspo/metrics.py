@@ -55,6 +55,39 @@ def rollout_metrics(samples: list[TrainSample]) -> dict[str, float]:
     return metrics
 
 
+def staleness_metrics(
+    samples: list[TrainSample], version: int, max_staleness: int
+) -> dict[str, float]:
+    """How old the samples of a step trained at weight version ``version`` are.
+
+    A sample's staleness is ``version`` minus its oldest token's version (``weight_version``):
+    ``staleness_mean``, ``staleness_max`` and ``staleness_hist/{k}`` (the share of samples of
+    staleness ``k``, ``0 <= k <= max_staleness``); ``token_staleness_mean`` over response
+    tokens. A partial sample has tokens of several versions (a weight sync landed while it was
+    generated): ``partial_sample_frac``, and ``segments_per_sample`` (runs of one version; 1 for
+    a sample of one version).
+    """
+    staleness = torch.tensor([version - s.weight_version for s in samples], dtype=torch.float64)
+    token_staleness, segments = [], []
+    for sample in samples:
+        versions = sample.rollout_weight_versions
+        if versions is None or versions.numel() == 0:
+            versions = torch.full((sample.response_length,), sample.weight_version)
+        token_staleness.append((version - versions).double())
+        segments.append(1 + int((versions[1:] != versions[:-1]).sum()) if versions.numel() else 1)
+    tokens = torch.cat(token_staleness)
+    metrics = {
+        "staleness_mean": float(staleness.mean()),
+        "staleness_max": float(staleness.max()),
+        "token_staleness_mean": float(tokens.mean()) if tokens.numel() else 0.0,
+        "partial_sample_frac": sum(count > 1 for count in segments) / len(samples),
+        "segments_per_sample": sum(segments) / len(samples),
+    }
+    for age in range(max_staleness + 1):
+        metrics[f"staleness_hist/{age}"] = float((staleness == age).double().mean())
+    return metrics
+
+
 def log_prob_gap_metrics(samples: list[TrainSample]) -> dict[str, float]:
     """Trainer vs rollout log-probs on the same tokens (:func:`~megatron_gspo.algo.log_prob_gap`):
     ``rollout_log_prob_abs_diff``, ``rollout_kl_k3`` and the log-perplexity gap

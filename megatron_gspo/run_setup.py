@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Optional
 
 from megatron_gspo.algo import RunningMoments
-from megatron_gspo.checkpoint_files import checkpoint_root
+from megatron_gspo.checkpoint_files import checkpoint_root, step_directory
 from megatron_gspo.config import TrainConfig
 
 if TYPE_CHECKING:
@@ -82,6 +83,17 @@ def save_checkpoint(engine: TrainEngine, cfg: TrainConfig, run_state: dict) -> s
         run_state,
         keep_last=cfg.checkpoint.keep_last,
     )
+
+
+def save_checkpoint_unless_saved(engine: TrainEngine, cfg: TrainConfig, run_state: dict) -> None:
+    """Collective: a checkpoint of step ``run_state["step"]`` for a run that stops early, unless
+    that step's checkpoint exists (the same state) or nothing was trained yet (a fresh start
+    does the same)."""
+    step = run_state["step"]
+    if step == 0 or os.path.isdir(step_directory(checkpoint_root(cfg.output_dir), step)):
+        return
+    path = save_checkpoint(engine, cfg, run_state)
+    logger.warning("saved %s before stopping: resume=true continues from it", path)
 
 
 def resume_checkpoint(engine: TrainEngine, cfg: TrainConfig) -> Optional[dict]:

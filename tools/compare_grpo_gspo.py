@@ -30,6 +30,16 @@ mismatch (precision and MoE routes):
   grpo_r2         GRPO + R2 (the trainer's own routes: they differ from the engine's)
   grpo_r3         GRPO + R3 (the engine's routes: routing_mismatch_vs_rollout is 0)
 
+The async suite (``--suite async``, docs/async.md): the synchronous loop against one step
+off-policy (``rollout.max_staleness=1``):
+
+  gspo            as in the standard suite (synchronous)
+  gspo_async      gspo + max_staleness=1, old log-probs recomputed (the proximal policy)
+  gspo_async_mu   gspo_async with the engine's behaviour log-probs as the old policy (no
+                  recompute forward; the clip range also has to absorb one update's drift)
+  grpo            as in the standard suite (synchronous)
+  grpo_async      grpo + max_staleness=1, old log-probs recomputed
+
 Regimes (``--regime``): ``demo`` keeps the preset's learning rate (the CPU demo's 3e-3 moves
 the policy so far per optimizer step that GRPO's token ratios leave [0.8, 1.27] for ~10% of
 tokens); ``paper`` lowers it to 1e-3 so that one update moves token ratios little, as in the GSPO
@@ -41,6 +51,7 @@ clip fraction on a log scale, routing change, trainer-vs-rollout log-prob gap).
 Examples:
   python tools/compare_grpo_gspo.py --quick --out compare/
   python tools/compare_grpo_gspo.py --suite mismatch --regime paper --steps 60 --out mismatch/
+  python tools/compare_grpo_gspo.py --suite async --steps 20 --out async/
   python tools/compare_grpo_gspo.py --out compare/ --steps 100 -- model.hf_path=/models/Qwen3-30B-A3B
   python tools/compare_grpo_gspo.py --preset qwen3_30b_a3b_gspo_4node --out /shared/compare \\
       --launcher "torchrun --nnodes 4 --node_rank $NODE_RANK --nproc_per_node 8 \\
@@ -85,8 +96,15 @@ SUITES: dict[str, dict[str, list[str]]] = {
         "grpo_r2": [*GRPO, *RECOMPUTE, "algo.routing_replay=r2"],
         "grpo_r3": [*GRPO, *RECOMPUTE, "algo.routing_replay=r3"],
     },
+    "async": {
+        "gspo": [*GSPO, *RECOMPUTE],
+        "gspo_async": [*GSPO, *RECOMPUTE, "rollout.max_staleness=1"],
+        "gspo_async_mu": [*GSPO, *ROLLOUT, "rollout.max_staleness=1"],
+        "grpo": [*GRPO, *RECOMPUTE],
+        "grpo_async": [*GRPO, *RECOMPUTE, "rollout.max_staleness=1"],
+    },
 }
-SUITE_COMMON = {"standard": [], "mismatch": ["rollout.dtype=bfloat16"]}
+SUITE_COMMON = {"standard": [], "mismatch": ["rollout.dtype=bfloat16"], "async": []}
 REGIMES: dict[str, list[str]] = {
     "demo": [],
     # One optimizer step at lr 1e-3 moves the tiny demo's token ratios out of GRPO's [0.8, 1.27]
@@ -124,6 +142,8 @@ MEAN_METRICS = (
     "rollout_log_ppl_abs_diff",
     "seq_log_ratio_abs_mean",
     "rollout_correction/truncated_frac_token",
+    "staleness_mean",
+    "step_time_s",
 )
 
 
@@ -139,13 +159,14 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
         choices=list(SUITES),
         default="standard",
         help="standard: GSPO vs GRPO (+R2/R3), fp32 engine; mismatch: a bfloat16 engine, old "
-        "log-probs recomputed vs the engine's, TIS, R2, R3",
+        "log-probs recomputed vs the engine's, TIS, R2, R3; async: synchronous vs "
+        "rollout.max_staleness=1",
     )
     parser.add_argument(
         "--variants",
         default=None,
-        help="comma-separated subset of the suite's variants (default: all); standard: "
-        f"{', '.join(SUITES['standard'])}; mismatch: {', '.join(SUITES['mismatch'])}",
+        help="comma-separated subset of the suite's variants (default: all); "
+        + "; ".join(f"{name}: {', '.join(suite)}" for name, suite in SUITES.items()),
     )
     parser.add_argument(
         "--regime",
@@ -264,6 +285,8 @@ def write_markdown(summary: dict, path: Path) -> None:
         ("mean_rollout_log_prob_abs_diff", "train-rollout abs dlp"),
         ("mean_seq_log_ratio_abs_mean", "abs seq log ratio"),
         ("mean_kl", "KL"),
+        ("mean_staleness_mean", "staleness"),
+        ("mean_step_time_s", "step time (s)"),
         ("grad_norm_spikes", "grad-norm spikes"),
         ("non_finite_steps", "non-finite steps"),
         ("wall_time_s", "wall time (s)"),

@@ -4,6 +4,8 @@
 ``embedded``       :class:`EmbeddedEngine` in this process; weights by value.
 ``embedded_http``  the same engine behind its loopback server, driven by :class:`SGLangEngine`
                    (the production client path on CPU); weights through the disk transport.
+                   The server runs in a thread, or with ``rollout.embedded_server_process`` in
+                   a child process of its own (restarted by :meth:`SGLangEngine.recover`).
 ``sglang``         :class:`SGLangEngine` on ``rollout.sglang_urls``, or on servers launched
                    from ``model.hf_path`` when ``rollout.sglang_launch``.
 =================  ===========================================================================
@@ -67,13 +69,33 @@ def build_rollout_engine(
         max_concurrency=rollout.max_concurrency,
     )
     if rollout.engine == "embedded_http":
+        # The loopback server takes weights from disk only (it offers no IPC/NCCL endpoints).
+        transport = DiskTransport(os.path.join(work_dir, "weights"), config_json=None)
+        if rollout.embedded_server_process:
+            from megatron_gspo.rollout.server_process import EmbeddedServerProcess
+
+            process = EmbeddedServerProcess(
+                model,
+                api_key=new_api_key(),
+                log_path=os.path.join(work_dir, "embedded_server.log"),
+                seed=seed,
+                dtype=rollout.dtype,
+                threads=rollout.engine_threads,
+            ).start()
+            return SGLangEngine(
+                [process.url],
+                layout,
+                weight_transport=transport,
+                on_close=[process.stop],
+                api_key=process.api_key,
+                restarters={process.url: process.restart},
+                **client_options,
+            )
         from megatron_gspo.rollout.server import EmbeddedServer
 
         server = EmbeddedServer(
             EmbeddedEngine.from_config(model, rollout, seed=seed), api_key=new_api_key()
         ).start()
-        # The loopback server takes weights from disk only (it offers no IPC/NCCL endpoints).
-        transport = DiskTransport(os.path.join(work_dir, "weights"), config_json=None)
         return SGLangEngine(
             [server.url],
             layout,
@@ -85,6 +107,7 @@ def build_rollout_engine(
 
     urls = list(rollout.sglang_urls)
     on_close = []
+    restarters = {}
     api_key = api_key_from_environment()
     # Servers launched below are stopped if anything after them fails; the engine owns them once
     # it exists (the ExitStack lets go of them then).
@@ -118,6 +141,7 @@ def build_rollout_engine(
         on_close = [server.stop for server in servers]
         for stop in on_close:
             started.callback(stop)
+        restarters = {server.url: _restarter(server) for server in servers}
     with started:
         transport = transport_from_config(
             rollout,
@@ -134,6 +158,7 @@ def build_rollout_engine(
             weight_transport=transport,
             on_close=on_close,
             api_key=api_key,
+            restarters=restarters,
             **client_options,
         )
         check_sglang_servers(engine, rollout, enable_routed_experts=enable_routed_experts)
@@ -203,3 +228,14 @@ def check_sglang_servers(engine, rollout: RolloutConfig, *, enable_routed_expert
         raise problems[0]
     if problems:
         raise StartupErrors(problems)
+
+
+def _restarter(server):
+    """Restart a launched SGLang server and wait until it is healthy again."""
+
+    def restart(deadline_s: float) -> None:
+        server.stop(timeout_s=10.0)
+        server.start()
+        server.wait_until_healthy(deadline_s)
+
+    return restart

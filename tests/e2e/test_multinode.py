@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import signal
 import time
+from collections.abc import Sequence
 
 import pytest
 
@@ -33,7 +34,7 @@ FAILURE_DEADLINE_S = 120
 """How long the surviving node may take to stop once the other one is gone."""
 
 
-def start_two_nodes(output_dir, steps: int) -> list[Launch]:
+def start_two_nodes(output_dir, steps: int, extra: Sequence[str] = ()) -> list[Launch]:
     port = free_port()
     overrides = [
         "--preset",
@@ -41,6 +42,7 @@ def start_two_nodes(output_dir, steps: int) -> list[Launch]:
         f"steps={steps}",
         *TINY,
         f"output_dir={output_dir}",
+        *extra,
     ]
     launches = []
     for node in (0, 1):

@@ -239,6 +239,37 @@ def test_in_place_pause_freezes_generation_and_sync_lands_between_steps(model_co
     assert (np.diff(versions) >= 0).all()
 
 
+def test_partial_sample_keeps_the_routes_of_the_forward_that_processed_each_token(model_config):
+    """R3 with a weight sync mid-sample: every route row comes from the forward that processed
+    its token (the old weights' rows are kept, not replaced by the new weights' choice)."""
+    engine = EmbeddedEngine(model_config, seed=1)
+    reference = EmbeddedEngine(model_config, seed=1)  # the old weights throughout
+    donor = EmbeddedEngine(model_config, seed=2)
+    request = GenerateRequest(
+        input_ids=[1, 2, 3], max_new_tokens=250, seed=7, return_routed_experts=True
+    )
+    outcome = {}
+    worker = threading.Thread(target=lambda: outcome.update(result=engine.generate([request])[0]))
+    worker.start()
+    _wait_until_running(engine)
+    time.sleep(0.05)
+    engine.pause("in_place")
+    engine.sync_weights(donor.hf_state(), version=1)
+    engine.resume()
+    worker.join(timeout=60)
+    result, old = outcome["result"], reference.generate([request])[0]
+    switch = int(np.argmax(result.output_weight_versions == 1))  # first token of version 1
+    assert 0 < switch < result.response_length
+    assert result.output_ids[:switch] == old.output_ids[:switch]
+    # Rows are input positions: the prompt and output tokens before the last old-version token
+    # were processed by the old weights' forwards; later rows by the new weights'.
+    old_rows = result.prompt_length + switch - 1
+    np.testing.assert_array_equal(result.routed_experts[:old_rows], old.routed_experts[:old_rows])
+    new_rows = result.routed_experts[old_rows:]
+    assert new_rows.shape[0] == result.response_length - switch
+    assert (new_rows != old.routed_experts[old_rows : old_rows + len(new_rows)]).any()
+
+
 def test_flush_refused_while_generating(engine):
     worker = threading.Thread(
         target=lambda: engine.generate([GenerateRequest(input_ids=[1], max_new_tokens=200)])

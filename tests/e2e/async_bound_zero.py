@@ -1,0 +1,21 @@
+"""``python tests/e2e/async_bound_zero.py OVERRIDES...``: the trainer with the asynchronous driver
+forced at ``max_staleness: 0`` (the configuration picks the synchronous driver for 0), to show
+that the producer machinery at bound 0 is the synchronous loop, bit for bit."""
+
+from __future__ import annotations
+
+import sys
+
+from megatron_gspo import driver, loop
+from megatron_gspo.async_driver import AsyncRolloutDriver
+
+
+def build_driver(cfg, *, rank: int, resources) -> driver.Driver:
+    return AsyncRolloutDriver(cfg, resources) if rank == 0 else driver.DriverFollower()
+
+
+if __name__ == "__main__":
+    loop.build_driver = build_driver
+    from megatron_gspo.train import main
+
+    sys.exit(main(sys.argv[1:]))
