@@ -105,6 +105,7 @@ def run_variant(
         overrides.append(f"rollout.engine_threads={args.threads}")
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "PYTHONPATH": str(REPO_ROOT)}
     command = [sys.executable, "-m", "megatron_gspo.train", *overrides]
+    output_dir.parent.mkdir(parents=True, exist_ok=True)
     log_path = output_dir.parent / f"{output_dir.name}.log"
     with log_path.open("w") as log:
         code = subprocess.call(command, cwd=REPO_ROOT, env=env, stdout=log, stderr=log)
