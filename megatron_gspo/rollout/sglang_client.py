@@ -198,7 +198,13 @@ class SGLangEngine(RolloutEngine):
         """One HTTP call with bounded retries of transport errors and 503; returns the answer
         whatever its status (callers judge it)."""
         timeout = self.control_timeout_s if timeout is None else timeout
-        retryable: tuple[type[Exception], ...] = (requests.ConnectionError,)
+        # A server that dies while it sends its answer cuts the body short (ChunkedEncodingError):
+        # a transport error like a refused connection, so that the caller sees RolloutEngineError
+        # and can bring the engine back.
+        retryable: tuple[type[Exception], ...] = (
+            requests.ConnectionError,
+            requests.exceptions.ChunkedEncodingError,
+        )
         if retry_timeouts:
             retryable += (requests.Timeout,)
         last_error = ""

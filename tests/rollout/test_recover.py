@@ -88,3 +88,40 @@ def test_transport_without_a_copy_cannot_resend(model_config, tmp_path):
             client.recover(10)
     finally:
         first.close()
+
+
+def test_answer_cut_short_is_an_engine_error(tmp_path):
+    """A server that dies in the middle of its answer (headers sent, body cut short) is a
+    transport failure: retried, then ``RolloutEngineError`` (which the asynchronous driver
+    recovers from), not a ``requests`` exception that ends the run with a traceback."""
+    import socket
+    import threading
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+    answered = []
+
+    def serve() -> None:
+        for _ in range(2):  # the call and its one retry (max_retries=1)
+            connection, _ = listener.accept()
+            with connection:
+                connection.recv(65536)
+                connection.sendall(
+                    b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+                    b'Content-Length: 7098\r\n\r\n{"text"'
+                )
+                answered.append(True)
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    client = SGLangEngine(
+        [f"http://127.0.0.1:{port}"], retry_backoff_s=0.01, max_retries=1, control_timeout_s=10
+    )
+    try:
+        with pytest.raises(RolloutEngineError, match="failed after 2 attempts.*ChunkedEncoding"):
+            client.post_json(client.urls[0], "/generate", {"input_ids": [1]})
+    finally:
+        client.close()
+        listener.close()
+    thread.join(timeout=10)
+    assert len(answered) == 2
