@@ -125,6 +125,11 @@ class Launch:
     def kill(self) -> None:
         """SIGKILL every process of the launch (torchrun workers live in sessions of their own)."""
         self.remember_tree()
+        # The launch leads a process group of its own: its group also holds the children it forks
+        # after the tree was read (Megatron's checkpoint writer processes), which would otherwise
+        # live on, orphaned, when the launch is killed during a checkpoint save.
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.process.pid, signal.SIGKILL)
         for process in self.tree:
             with contextlib.suppress(psutil.NoSuchProcess):
                 process.send_signal(signal.SIGKILL)
