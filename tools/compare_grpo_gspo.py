@@ -37,8 +37,11 @@ off-policy (``rollout.max_staleness=1``):
   gspo_async      gspo + max_staleness=1, old log-probs recomputed (the proximal policy)
   gspo_async_mu   gspo_async with the engine's behaviour log-probs as the old policy (no
                   recompute forward; the clip range also has to absorb one update's drift)
+  gspo_async_is   gspo_async + a sequence-level importance weight toward the engine's policy
+                  (min(geometric mean of pi_prox / mu, 2), AReaL's decoupled weight per sequence)
   grpo            as in the standard suite (synchronous)
-  grpo_async      grpo + max_staleness=1, old log-probs recomputed
+  grpo_async      grpo + max_staleness=1, old log-probs recomputed, no correction
+  grpo_async_tis  grpo_async + token-level TIS toward the engine's policy (min(pi_prox / mu, 2))
 
 Regimes (``--regime``): ``demo`` keeps the preset's learning rate (the CPU demo's 3e-3 moves
 the policy so far per optimizer step that GRPO's token ratios leave [0.8, 1.27] for ~10% of
@@ -100,8 +103,20 @@ SUITES: dict[str, dict[str, list[str]]] = {
         "gspo": [*GSPO, *RECOMPUTE],
         "gspo_async": [*GSPO, *RECOMPUTE, "rollout.max_staleness=1"],
         "gspo_async_mu": [*GSPO, *ROLLOUT, "rollout.max_staleness=1"],
+        "gspo_async_is": [
+            *GSPO,
+            *RECOMPUTE,
+            "rollout.max_staleness=1",
+            "algo.rollout_correction.level=sequence",
+        ],
         "grpo": [*GRPO, *RECOMPUTE],
         "grpo_async": [*GRPO, *RECOMPUTE, "rollout.max_staleness=1"],
+        "grpo_async_tis": [
+            *GRPO,
+            *RECOMPUTE,
+            "rollout.max_staleness=1",
+            "algo.rollout_correction.level=token",
+        ],
     },
 }
 SUITE_COMMON = {"standard": [], "mismatch": ["rollout.dtype=bfloat16"], "async": []}

@@ -22,6 +22,7 @@ MISMATCH_VARIANTS = (
     "grpo_r2",
     "grpo_r3",
 )
+ASYNC_VARIANTS = ("gspo_async", "gspo_async_mu", "gspo_async_is", "grpo_async", "grpo_async_tis")
 PLOTS = (
     "reward.png",
     "clip_fraction.png",
@@ -35,7 +36,7 @@ def test_help_explains_every_variant():
     result = subprocess.run(
         [sys.executable, str(TOOL), "--help"], capture_output=True, text=True, check=True
     )
-    for variant in (*VARIANTS, *MISMATCH_VARIANTS):
+    for variant in (*VARIANTS, *MISMATCH_VARIANTS, *ASYNC_VARIANTS):
         assert variant in result.stdout
     assert "--suite" in result.stdout and "--regime" in result.stdout
 
