@@ -684,6 +684,15 @@ class TrainConfig:
                 "the asynchronous producer does not filter groups yet (docs/async.md)",
                 "set algo.dynamic_sampling=false, or rollout.max_staleness=0",
             )
+        if self.rollout.max_staleness and self.env.name is not None:
+            raise ConfigError(
+                "env.name",
+                f"environment {self.env.name!r} with rollout.max_staleness="
+                f"{self.rollout.max_staleness}",
+                "multi-turn episodes are not produced asynchronously yet: their turns' weight "
+                "versions and partial turns across a weight sync are untested (docs/async.md)",
+                "set rollout.max_staleness=0 for environment runs",
+            )
         if self.rollout.max_staleness and algo.old_log_prob_source == "detach":
             raise ConfigError(
                 "algo.old_log_prob_source",

@@ -157,6 +157,12 @@ def test_unknown_preset_name():
         # SGLang cannot honour min_new_tokens the way the trainer recomputes (tests/real_sglang)
         (["rollout.engine=sglang", "rollout.min_new_tokens=4"], "rollout.min_new_tokens"),
         (["rollout.weight_sync_port=70000"], "rollout.weight_sync_port"),
+        # what the asynchronous producer does not do yet, and detach with stale samples
+        (["rollout.max_staleness=1", "algo.dynamic_sampling=true"], "algo.dynamic_sampling"),
+        (["rollout.max_staleness=1", "algo.old_log_prob_source=detach"],
+         "algo.old_log_prob_source"),
+        (["rollout.max_staleness=1", "env.name=multiply_tool"], "env.name"),
+        (["rollout.max_staleness=-1"], "rollout.max_staleness"),
     ],
 )  # fmt: skip
 def test_bad_value(overrides, key):
