@@ -155,9 +155,16 @@ def test_abort_returns_partial_results(served, model_config):
     engine, server = served
     client = _client(model_config, [server.url])
     long_request = GenerateRequest(input_ids=[1, 2], max_new_tokens=200, return_routed_experts=True)
+    # Abort once a few tokens exist (counted by a forward hook on the engine's model: the
+    # prefill, then one forward per token), however slow the machine is.
+    forwards = []
+    hook = engine.hf_model.register_forward_hook(lambda *_: forwards.append(None))
     worker, outcome = _generate_in_thread(client, [long_request])
-    _wait_until_running(engine)
-    time.sleep(0.05)
+    deadline = time.monotonic() + 60
+    while len(forwards) < 4:
+        assert time.monotonic() < deadline, "the engine produced no tokens in 60 s"
+        time.sleep(0.005)
+    hook.remove()
     client.abort([long_request.request_id])
     worker.join(timeout=30)
     (result,) = outcome["results"]
