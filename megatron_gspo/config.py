@@ -566,6 +566,11 @@ class TrainConfig:
     a cold-start fine-tuned model (section 5.1). Needs answers in the data. The default is the CPU
     demo's (20 steps take the tiny model from reward 0.1 to about 0.3, GSPO does the rest); set 0
     for a model that is already fine-tuned."""
+    sft_warmup_lr: Optional[float] = None
+    """Learning rate of the supervised cold start's steps; null: optim.lr. Imitation tolerates a
+    larger step than RL, whose negative advantages push probability off the sampled tokens
+    (the cpu_tool_use preset: 3e-3 for its cold start, 1e-3 for RL, docs/agentic.md). The lr
+    schedule (optim.lr_warmup_steps, decay) still counts the cold start's steps."""
     model: ModelConfig = field(default_factory=ModelConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     algo: AlgoConfig = field(default_factory=AlgoConfig)
@@ -594,6 +599,8 @@ class TrainConfig:
     def __post_init__(self) -> None:
         _check_positive("steps", self.steps)
         _check_positive("sft_warmup_steps", self.sft_warmup_steps, allow_zero=True)
+        if self.sft_warmup_lr is not None:
+            _check_positive("sft_warmup_lr", self.sft_warmup_lr)
         algo, parallel, model = self.algo, self.parallel, self.model
         if algo.samples_per_step % algo.num_mini_batches:
             raise ConfigError(

@@ -191,7 +191,7 @@ def sft_warmup(engine: TrainEngine, driver: Driver, cfg: TrainConfig) -> dict[st
     for _ in range(cfg.sft_warmup_steps):
         samples = driver.supervised_batch()
         # Reference answers have no routes to replay and no behaviour log-probs to correct by.
-        with engine.native_routing(), engine.uncorrected():
+        with engine.native_routing(), engine.uncorrected(), engine.fixed_lr(cfg.sft_warmup_lr):
             recompute_old_log_probs(engine, samples, record_routes=False)
             if cfg.algo.needs_reference_model:  # the KL loss term needs them
                 set_reference_log_probs(engine, samples)

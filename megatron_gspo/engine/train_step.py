@@ -150,6 +150,7 @@ class TrainEngine:
             self.config.no_sync_func = self.config.no_sync_func[0]
         self.optimizer = build_optimizer(cfg, self.model)
         self.scheduler = build_scheduler(cfg, self.optimizer)
+        self._lr_override: float | None = None  # fixed_lr
         self.reference_model: Optional[list[PolicyModel]] = None
         if cfg.algo.needs_reference_model:
             self.reference_model = build_policy_model(cfg, self.parallel, routing_replay=False)
@@ -216,6 +217,17 @@ class TrainEngine:
             yield
         finally:
             self.loss_settings = saved
+
+    @contextmanager
+    def fixed_lr(self, lr: float | None):
+        """Every optimizer step inside the block applies ``lr`` instead of the schedule's (the
+        supervised cold start's ``sft_warmup_lr``); None changes nothing. The schedule still
+        advances with each step, and the first step after the block applies its lr."""
+        saved, self._lr_override = self._lr_override, lr if lr is not None else self._lr_override
+        try:
+            yield
+        finally:
+            self._lr_override = saved
 
     @contextmanager
     def native_routing(self):
@@ -504,6 +516,11 @@ class TrainEngine:
         (weights, optimizer state and lr schedule untouched) and counted;
         ``optim.max_consecutive_skips`` skips in a row raise :class:`NonFiniteStepsError`."""
         # The learning rate this step applies (the scheduler moves on after the step).
+        scheduled = None
+        if self._lr_override is not None:  # fixed_lr; the scheduler's step writes its lr back
+            scheduled = [group["lr"] for group in self.optimizer.param_groups]
+            for group in self.optimizer.param_groups:
+                group["lr"] = self._lr_override
         lr = float(self.optimizer.param_groups[0]["lr"])
         self.optimizer.prepare_grads()
         grad_norm = float(self.optimizer.get_grad_norm())
@@ -515,6 +532,8 @@ class TrainEngine:
             self.consecutive_skips = 0
         else:
             self.optimizer.zero_grad()
+            for group, value in zip(self.optimizer.param_groups, scheduled or []):
+                group["lr"] = value  # a skipped step leaves the schedule's lr in place
             self.consecutive_skips += 1
             self.skipped_steps += 1
             logger.warning(

@@ -412,3 +412,11 @@ def test_correction_defaults_reach_the_loss(level, mode, bounds):
     )
     off = load_quietly(None, []).algo.policy_loss_settings()
     assert off.rollout_correction is None and off.surrogate == "clip"
+
+
+def test_sft_warmup_lr_must_be_positive():
+    assert load_quietly(None, []).sft_warmup_lr is None  # the cold start uses optim.lr
+    assert load_quietly("cpu_tool_use", []).sft_warmup_lr == 3e-3
+    with pytest.raises(ConfigError) as error:
+        load_quietly(None, ["sft_warmup_lr=0"])
+    assert_config_error(error.value, "sft_warmup_lr")

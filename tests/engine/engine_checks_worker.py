@@ -102,6 +102,24 @@ def check_lr_warmup() -> None:
     assert [round(lr / 1e-3, 6) for lr in lrs] == [0.5, 1.0, 1.0], lrs
 
 
+def check_fixed_lr_overrides_the_schedule_inside_its_block() -> None:
+    """sft_warmup_lr's mechanism: inside ``fixed_lr`` every step applies that lr (the warm-up
+    schedule still advances), after it the schedule's own lr; a skipped step inside leaves the
+    schedule's lr in place; ``fixed_lr(None)`` changes nothing."""
+    engine = _engine(optim__lr_warmup_steps=5)  # lr 1e-3 (k + 1) / 5 at optimizer step k
+    bad = make_samples()
+    bad[0].advantages = torch.tensor(float("nan"))
+    with engine.fixed_lr(None):
+        lrs = [engine.train_step(make_samples())["lr"]]
+    with engine.fixed_lr(7e-3):
+        lrs += [engine.train_step(make_samples())["lr"] for _ in range(2)]
+        assert engine.train_step(bad)["skipped"] == 1.0
+        lr_after_skip = engine.optimizer.param_groups[0]["lr"]
+        assert round(lr_after_skip / 1e-3, 6) == 0.8, lr_after_skip  # the schedule's, not 7e-3
+    lrs += [engine.train_step(make_samples())["lr"] for _ in range(2)]
+    assert [round(lr / 1e-3, 6) for lr in lrs] == [0.2, 7.0, 7.0, 0.8, 1.0], lrs
+
+
 def check_load_balancing_loss_reaches_the_router() -> None:
     grads = {}
     for coef in (0.0, 0.01):

@@ -4,7 +4,7 @@
 * packing isolates sequences (packed together == each alone);
 * recomputed old log-probs give a ratio of exactly 1 in the training forward;
 * a non-finite loss skips the step (weights, lr untouched), N in a row stop the run;
-* learning-rate warm-up; the load-balancing loss reaches the router;
+* learning-rate warm-up; ``fixed_lr`` (the cold start's own lr) overrides the schedule; the load-balancing loss reaches the router;
 * ``moe_enable_routing_replay`` is set on the policy (one RouterReplay per MoE layer);
 * the KL reference model is a frozen copy; malformed samples are rejected by index and field.
 """
@@ -23,6 +23,7 @@ CHECKS = [
     "recomputed_old_log_probs_give_ratio_one",
     "non_finite_steps_are_skipped_then_stop_the_run",
     "lr_warmup",
+    "fixed_lr_overrides_the_schedule_inside_its_block",
     "load_balancing_loss_reaches_the_router",
     "routing_replay_is_settable",
     "reference_model_is_frozen_copy",
