@@ -105,11 +105,12 @@ def test_ci_run_rejects_an_unknown_job_before_installing_anything() -> None:
 def test_ci_run_calls_the_readmes_test_commands() -> None:
     """Each job runs a test command the README gives, word for word."""
     script = CI_RUN.read_text()
-    readme = " ".join((ROOT / "README.md").read_text().split())
+    readme = " ".join((ROOT / "README.md").read_text().replace("\\\n", " ").split())
     py312_tests = re.search(r'^PY312_TESTS="([^"]+)"$', script, re.MULTILINE).group(1)
     assert "python -m pytest tests\n" in script
     assert "python -m pytest tests\n" in (ROOT / "README.md").read_text()
     assert "python -m pytest ${PY312_TESTS}" in script
     assert f"python -m pytest {py312_tests}" in readme
     for path in py312_tests.split():
-        assert (ROOT / path).is_dir(), f"PY312_TESTS names {path}, which does not exist"
+        path = path.removeprefix("--ignore=")
+        assert (ROOT / path).exists(), f"PY312_TESTS names {path}, which does not exist"

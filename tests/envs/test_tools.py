@@ -62,7 +62,7 @@ def test_failing_tools_return_error_observations_and_are_counted(embedded):
     ]
     cfg = train_config(
         # Every byte ends a turn: each turn is one token, then the tool answers.
-        env={"options": {"turns": 2, "tool_timeout_s": 1.0, "stop_token_ids": list(range(256))}},
+        env={"options": {"turns": 2, "tool_timeout_s": 3.0, "stop_token_ids": list(range(256))}},
         model={
             "vocab_size": 259,
             "hidden_size": 32,
@@ -100,7 +100,7 @@ def test_failing_tools_return_error_observations_and_are_counted(embedded):
         response = sample.tokens[sample.prompt_length :]
         observed = response[~sample.loss_mask]
         observations.append(tokenizer.decode(observed.tolist()))
-    assert observations == ["<fine>", "<error: KeyError: 'lost'>", "<error: timed out after 1 s>"]
+    assert observations == ["<fine>", "<error: KeyError: 'lost'>", "<error: timed out after 3 s>"]
     assert [s.finish_reason for s in scored.samples] == ["stop"] * 3  # the episodes went on
     metrics = scored.metrics
     # Two turns each, so two calls per trajectory (the second turn's output is not appended).
