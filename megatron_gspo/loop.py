@@ -1,7 +1,7 @@
 """The RL loop. One step, top to bottom (docs/architecture.md):
 
     prompts -> rollout -> rewards -> old / reference log-probs -> advantages -> policy update
-            -> weight sync -> log, checkpoint, evaluate
+            -> weight sync -> evaluate, log, checkpoint
 
 Every rank runs this file (SPMD under torchrun) and speaks to two actors: the training engine,
 whose calls are collective, and the driver (``driver.py``), which on global rank 0 owns the
@@ -105,11 +105,14 @@ def run(cfg: TrainConfig) -> list[dict]:
             collapse.check(metrics)  # stops a policy that no longer responds to the loss
             if cfg.eval.interval and (step + 1) % cfg.eval.interval == 0:
                 metrics.update(driver.evaluate())
+            # The step's metrics line, like its trained_prompts.jsonl line, before its checkpoint:
+            # a kill in between leaves lines of steps the resumed run trains again, and its
+            # driver.start drops them, so each trained step keeps exactly one line.
+            driver.log(step, metrics)
             if cfg.checkpoint.interval and (
                 (step + 1) % cfg.checkpoint.interval == 0 or step + 1 == cfg.steps
             ):
                 save_checkpoint(engine, cfg, state.state_dict())
-            driver.log(step, metrics)
             raise_if_interrupted()  # a Ctrl-C that Python dropped inside a finalizer
             warmup_stats = {}
         return driver.records

@@ -203,7 +203,11 @@ class MetricsLogger:
         if config.tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
-            self._tensorboard = SummaryWriter(str(Path(output_dir) / "tensorboard"))
+            # A resumed run hides the interrupted run's events of steps >= start_step (it logs
+            # them again), as _truncate_after drops their metrics.jsonl lines.
+            self._tensorboard = SummaryWriter(
+                str(Path(output_dir) / "tensorboard"), purge_step=start_step or None
+            )
         if config.wandb:
             try:
                 import wandb
@@ -221,14 +225,18 @@ class MetricsLogger:
             self._progress = tqdm(total=total_steps, initial=start_step, desc="rl", unit="step")
 
     def _truncate_after(self, start_step: int) -> None:
-        """Drop records of steps >= start_step: they belong to the run that was interrupted."""
+        """Drop records of steps >= start_step (they belong to the run that was interrupted,
+        the resumed run logs them again) and a line cut short by a kill."""
         if not self.path.exists():
             return
-        kept = [
-            line
-            for line in self.path.read_text().splitlines()
-            if line.strip() and json.loads(line).get("step", -1) < start_step
-        ]
+        kept = []
+        for line in self.path.read_text().splitlines():
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if record.get("step", -1) < start_step:
+                kept.append(line)
         temporary = self.path.with_suffix(".jsonl.tmp")
         temporary.write_text("".join(line + "\n" for line in kept))
         os.replace(temporary, self.path)

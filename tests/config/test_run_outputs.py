@@ -50,3 +50,31 @@ def test_converter_takes_the_checkpoint_latest_names(tmp_path):
     torch_dist.mkdir()
     (torch_dist / ".metadata").write_bytes(b"")
     assert resolve_checkpoint_dir(str(torch_dist)) == str(torch_dist)
+
+
+def test_resumed_metrics_drop_the_steps_trained_again(tmp_path):
+    """A run killed after step 2's metrics line (and mid-way through step 3's) but resumed from
+    the checkpoint of step 2: metrics.jsonl and TensorBoard hold each step once, the later
+    steps from the resumed run."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from megatron_gspo.config import LoggingConfig
+    from megatron_gspo.metrics import MetricsLogger, read_metrics
+
+    settings = LoggingConfig(tensorboard=True, progress_bar=False)
+    killed = MetricsLogger(str(tmp_path), settings, total_steps=4)
+    for step in range(3):
+        killed.log(step, {"reward_mean": float(step)})
+    killed.close()
+    with (tmp_path / "metrics.jsonl").open("a") as handle:
+        handle.write('{"step": 3, "reward_')  # cut short by the kill
+    resumed = MetricsLogger(str(tmp_path), settings, total_steps=4, start_step=2)
+    for step in (2, 3):
+        resumed.log(step, {"reward_mean": 10.0 + step})
+    resumed.close()
+    records = read_metrics(str(tmp_path))
+    assert [(r["step"], r["reward_mean"]) for r in records] == [(0, 0), (1, 1), (2, 12), (3, 13)]
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    scalars = [(e.step, e.value) for e in events.Scalars("reward_mean")]
+    assert scalars == [(0, 0.0), (1, 1.0), (2, 12.0), (3, 13.0)]

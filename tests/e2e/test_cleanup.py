@@ -51,7 +51,8 @@ def test_sigkilled_trainer_leaves_no_child(tmp_path):
     overrides = ["steps=50", *TINY, "checkpoint.interval=1", f"output_dir={output_dir}"]
     launch = start(train_command(overrides), output_dir)
     try:
-        wait_for_step([launch], output_dir, 0, timeout=240)  # a checkpoint was written before it
+        # Step 0's checkpoint (which starts the writer's queue manager) precedes step 1's line.
+        wait_for_step([launch], output_dir, 1, timeout=240)
         trainer = psutil.Process(launch.process.pid)
         children = trainer.children(recursive=True)
         commands = " ".join(" ".join(child.cmdline()) for child in children)

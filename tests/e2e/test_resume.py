@@ -1,14 +1,17 @@
-"""Kill a run with SIGKILL right after a step is logged, resume it, and get the uninterrupted run.
+"""Kill a run with SIGKILL right after a step's checkpoint, resume it, and get the uninterrupted
+run.
 
-``checkpoint.interval=1`` saves before the step's metrics are written, so once step ``k`` is in
-``metrics.jsonl`` the checkpoint after it is complete; the resumed run must then reproduce every
-later step exactly: same rollouts (sampling seeds derive from the step), same prompt stream
-position, same optimizer state and reward statistics.
+``checkpoint.interval=1`` saves after the step's metrics line is written; once ``checkpoints/
+latest`` names a step the resumed run continues from there and must reproduce every later step
+exactly: same rollouts (sampling seeds derive from the step), same prompt stream position, same
+optimizer state and reward statistics; ``metrics.jsonl`` holds every step once (the lines of the
+steps trained again are dropped at the resume).
 """
 
 from __future__ import annotations
 
 import re
+import time
 
 import pytest
 
@@ -30,16 +33,21 @@ KILLED_AFTER_STEP = 0
 
 
 def kill_and_resume(output_dir, overrides, nproc):
-    """Run 3 steps, SIGKILL every process once step 0 is logged, resume; return the records and
-    the step the resumed run started from."""
+    """Run 3 steps, SIGKILL every process once step 0's checkpoint is published, resume; return
+    the records and the step the resumed run started from."""
     overrides = ["steps=3", *TINY, "checkpoint.interval=1", f"output_dir={output_dir}", *overrides]
     first = start(train_command(overrides, nproc=nproc), output_dir, "first.log")
+    latest = output_dir / "checkpoints" / "latest"
     try:
         wait_for_step([first], output_dir, KILLED_AFTER_STEP, timeout=240)
+        deadline = time.monotonic() + 120
+        while not latest.exists() and first.process.poll() is None:
+            assert time.monotonic() < deadline, "no checkpoint within 120 s of step 0's line"
+            time.sleep(0.05)
         first.remember_tree()  # torchrun's workers, while they are still its children
     finally:
         first.kill()
-    assert list((output_dir / "checkpoints").glob("step_*")), "no checkpoint before the kill"
+    assert latest.exists(), "no checkpoint before the kill"
     resumed = run_train(output_dir, [*overrides, "resume=true"], nproc=nproc, timeout=240)
     match = re.search(r"resuming from \S+step_0*(\d+)", resumed.log)  # run_setup.resume_checkpoint
     assert match, f"no resume message in the log:\n{resumed.log[-3000:]}"

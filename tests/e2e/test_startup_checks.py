@@ -47,7 +47,7 @@ def test_ctrl_c_prints_how_to_resume(tmp_path):
     overrides = ["steps=50", *TINY, "checkpoint.interval=1", f"output_dir={output_dir}"]
     launch = start(train_command(overrides), output_dir)
     try:
-        wait_for_step([launch], output_dir, 0, timeout=240)
+        wait_for_step([launch], output_dir, 1, timeout=240)  # after step 0's checkpoint
         launch.process.send_signal(signal.SIGINT)
         assert launch.wait(timeout=60) == 130, launch.log[-3000:]
     finally:
