@@ -6,9 +6,10 @@ names that environment (``.ci/run`` builds it with ``../shared/sglang-cpu/setup.
 every test here is skipped with :data:`SKIP_REASON`.
 
 The server is started by the project's own launcher (``build_launch_command`` +
-``SGLangServerProcess``) with the flags SGLang's CPU backend needs, float32 on the plain-torch path
-(``SGLANG_CPU_DISABLE_AMX=1``), ``--skip-tokenizer-init`` (the trainer sends token ids),
-``--enable-return-routed-experts`` (R3) and a per-run ``--api-key``.
+``SGLangServerProcess``) with the flags SGLang's CPU backend needs
+(:mod:`megatron_gspo.rollout.sglang_cpu`), float32 on the plain-torch path
+(``SGLANG_CPU_DISABLE_AMX=1``) unless a test asks for bfloat16, ``--skip-tokenizer-init`` (the
+trainer sends token ids), ``--enable-return-routed-experts`` (R3) and a per-run ``--api-key``.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import requests
 
 from megatron_gspo.config import ModelConfig
 from megatron_gspo.rollout.auth import new_api_key
+from megatron_gspo.rollout.sglang_cpu import cpu_server_args, cpu_server_env
 from megatron_gspo.rollout.sglang_launcher import SGLangServerProcess, build_launch_command
 
 VENV_ENV = "MEGATRON_GSPO_SGLANG_VENV"
@@ -35,34 +37,6 @@ SKIP_REASON = (
     f"{SGLANG_VERSION} for CPU, built with `bash ../shared/sglang-cpu/setup.sh VENV` (about 2 "
     "minutes; .ci/run does both)"
 )
-
-CPU_SERVER_ARGS = (
-    "--device",
-    "cpu",
-    "--dtype",
-    "float32",
-    # The CPU backend's kernels: plain-torch attention and sampling; no CUDA graphs or grammar.
-    "--attention-backend",
-    "torch_native",
-    "--sampling-backend",
-    "pytorch",
-    "--grammar-backend",
-    "none",
-    "--disable-cuda-graph",
-    "--skip-server-warmup",
-    "--max-total-tokens",
-    "8192",
-    "--max-running-requests",
-    "64",
-    # An idle scheduler otherwise spins one of the two cores at 90%, slowing every other test.
-    "--sleep-on-idle",
-)
-
-CPU_SERVER_ENV = {
-    "SGLANG_USE_CPU_ENGINE": "1",  # else is_cpu() is False and SGLang takes CUDA paths
-    "SGLANG_CPU_DISABLE_AMX": "1",  # the plain-torch path: float32 (AMX kernels are bf16 only)
-    "SGLANG_CPU_OMP_THREADS_BIND": f"0-{(os.cpu_count() or 1) - 1}",
-}
 
 
 def server_model_config(**overrides: Any) -> ModelConfig:
@@ -181,9 +155,16 @@ def export_model(model: ModelConfig, directory: Path, seed: int = 0) -> None:
 
 
 def start_server(
-    python: str, model: ModelConfig, model_dir: Path, log_path: Path, port: int
+    python: str,
+    model: ModelConfig,
+    model_dir: Path,
+    log_path: Path,
+    port: int,
+    dtype: str = "float32",
 ) -> RealServer:
-    """Launch SGLang on 127.0.0.1:``port`` and wait until ``/health_generate`` answers."""
+    """Launch SGLang on 127.0.0.1:``port`` with ``--dtype dtype`` and wait until
+    ``/health_generate`` answers (float32: the plain-torch path; bfloat16: SGLang's choice, the
+    AMX path on CPUs with AMX, see :mod:`megatron_gspo.rollout.sglang_cpu`)."""
     api_key = new_api_key()
     command = build_launch_command(
         str(model_dir),
@@ -191,9 +172,9 @@ def start_server(
         enable_return_routed_experts=True,
         python_executable=python,
         api_key=api_key,
-        extra_args=CPU_SERVER_ARGS,
+        extra_args=cpu_server_args(dtype),
     )
-    process = SGLangServerProcess(command, str(log_path), env=CPU_SERVER_ENV).start()
+    process = SGLangServerProcess(command, str(log_path), env=cpu_server_env(dtype)).start()
     server = RealServer(process.url, api_key, model_dir, model, process)
     try:
         # 15 s on an idle 2-core machine, minutes on a crowded one.
