@@ -149,6 +149,14 @@ class RolloutConfig:
     """Existing SGLang servers (http://host:port); empty means launch them."""
     sglang_launch: bool = False
     """Launch SGLang servers with ``python -m sglang.launch_server``."""
+    sglang_python: str = ""
+    """Interpreter that launched servers run (``<venv>/bin/python`` of SGLang's own virtual
+    environment, whose pins may conflict with the trainer's); empty: the trainer's interpreter."""
+    sglang_return_routes: bool = False
+    """Ask SGLang for every sample's routed experts also without R3, for the trainer-vs-engine
+    routing metrics (``routing_mismatch_vs_rollout``, with ``algo.log_routing_change``); launched
+    servers then start with --enable-return-routed-experts, listed ones must have it. Off: SGLang
+    returns routes only for R3 (the buffers cost server memory)."""
     sglang_host: str = "127.0.0.1"
     """Address launched SGLang servers listen on. They require the run's API key, but plain HTTP
     carries it (and the weights) unencrypted: any other address than loopback warns at start."""
@@ -589,12 +597,14 @@ class TrainConfig:
         trainer-vs-engine routing metrics (``routing_change_frac_vs_rollout``,
         ``routing_mismatch_vs_rollout``) with ``algo.log_routing_change`` on an embedded engine
         (SGLang servers return routes only when started with --enable-return-routed-experts,
-        which R3 asks for)."""
+        which R3 and ``rollout.sglang_return_routes`` ask for)."""
         if not self.model.is_moe:
             return False
         if self.algo.routing_replay == "r3":
             return True
-        return self.algo.log_routing_change and self.rollout.engine != "sglang"
+        return self.algo.log_routing_change and (
+            self.rollout.engine != "sglang" or self.rollout.sglang_return_routes
+        )
 
     def __post_init__(self) -> None:
         _check_positive("steps", self.steps)

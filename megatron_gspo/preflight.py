@@ -28,6 +28,7 @@ import os
 import shutil
 from collections.abc import Callable
 from pathlib import Path
+from typing import Optional
 
 from megatron_gspo.checkpoint_files import checkpoint_root
 from megatron_gspo.config import ConfigError, TrainConfig
@@ -241,17 +242,53 @@ def _rollout_servers(cfg: TrainConfig) -> list[ConfigError]:
                 "set model.hf_path (export one with tools/convert_checkpoint.py)",
             )
         )
-    if importlib.util.find_spec("sglang") is None:
+    if rollout.sglang_python:
+        problem = sglang_unavailable(rollout.sglang_python)
+        if problem:
+            errors.append(
+                ConfigError(
+                    "rollout.sglang_python",
+                    f"{rollout.sglang_python!r} cannot start SGLang: {problem}",
+                    "launched servers run `<sglang_python> -m sglang.launch_server`",
+                    "give the bin/python of a virtual environment with sglang installed, or leave "
+                    "rollout.sglang_python empty to use this interpreter",
+                )
+            )
+    elif importlib.util.find_spec("sglang") is None:
         errors.append(
             ConfigError(
                 "rollout.sglang_launch",
                 "sglang is not installed in this Python environment",
                 "launched servers run `python -m sglang.launch_server` with this interpreter",
-                "install sglang (the GPU image has it), or start servers elsewhere and list them "
-                "in rollout.sglang_urls",
+                "install sglang (the GPU image has it), set rollout.sglang_python to the "
+                "interpreter of SGLang's own environment, or start servers elsewhere and list "
+                "them in rollout.sglang_urls",
             )
         )
     return errors
+
+
+def sglang_unavailable(python: str) -> Optional[str]:
+    """Why ``python`` cannot run ``-m sglang.launch_server`` (None when it can): not an
+    executable, or sglang not importable there (found without importing it: seconds, not the
+    half minute an import of sglang takes)."""
+    import subprocess
+
+    if not (os.path.isfile(python) and os.access(python, os.X_OK)):
+        return "no executable file there"
+    try:
+        found = subprocess.run(
+            [
+                python,
+                "-c",
+                "import importlib.util, sys; sys.exit(not importlib.util.find_spec('sglang'))",
+            ],
+            capture_output=True,
+            timeout=SERVER_CHECK_TIMEOUT_S * 6,
+        )
+    except (OSError, subprocess.TimeoutExpired) as error:
+        return f"running it failed ({type(error).__name__})"
+    return None if found.returncode == 0 else "sglang is not installed in its environment"
 
 
 def _unreachable(url: str):

@@ -139,7 +139,8 @@ def launch_command_from_config(
 ) -> list[str]:
     """The command of server ``server_index`` from a :class:`RolloutConfig`: port
     ``sglang_port + server_index``, GPUs from ``server_index * sglang_tp``;
-    ``--enable-memory-saver`` with ``rollout.sglang_release_memory`` (what releasing needs)."""
+    ``--enable-memory-saver`` with ``rollout.sglang_release_memory`` (what releasing needs); run
+    by ``rollout.sglang_python`` (SGLang's own environment) or else this interpreter."""
     extra_args = list(rollout.sglang_extra_args)
     if rollout.sglang_release_memory and "--enable-memory-saver" not in extra_args:
         extra_args.append("--enable-memory-saver")
@@ -154,6 +155,7 @@ def launch_command_from_config(
         base_gpu_id=server_index * rollout.sglang_tp,
         extra_args=extra_args,
         api_key=api_key,
+        python_executable=rollout.sglang_python or sys.executable,
     )
 
 

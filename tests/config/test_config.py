@@ -420,3 +420,14 @@ def test_sft_warmup_lr_must_be_positive():
     with pytest.raises(ConfigError) as error:
         load_quietly(None, ["sft_warmup_lr=0"])
     assert_config_error(error.value, "sft_warmup_lr")
+
+
+def test_sglang_return_routes_asks_sglang_for_routes_without_r3():
+    """Off (the default), SGLang servers return routes only for R3, as before; on, also for the
+    routing metrics of every other variant (tools/compare_grpo_gspo.py's SGLang mode)."""
+    cfg = load_config(None, ["rollout.engine=sglang", "algo.routing_replay=r2"])
+    assert not cfg.requests_rollout_routes
+    cfg.rollout.sglang_return_routes = True
+    assert cfg.requests_rollout_routes
+    cfg.algo.log_routing_change = False
+    assert not cfg.requests_rollout_routes

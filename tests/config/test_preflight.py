@@ -148,3 +148,22 @@ def test_launching_sglang_needs_a_model_directory_and_sglang(tmp_path):
     if importlib.util.find_spec("sglang") is None:
         expected.append("rollout.sglang_launch")
     assert keys == expected
+
+
+def test_sglang_python_must_have_sglang(tmp_path):
+    """rollout.sglang_python: a missing interpreter and one without sglang are refused at start
+    (the test's own interpreter has no sglang: the project's environment never installs it)."""
+    import sys
+
+    config = TrainConfig(output_dir=str(tmp_path))
+    config.rollout.engine, config.rollout.sglang_launch = "sglang", True
+    config.model.hf_path = str(tmp_path)
+    for python, problem in (
+        (str(tmp_path / "bin" / "python"), "no executable file there"),
+        (sys.executable, "sglang is not installed in its environment"),
+    ):
+        config.rollout.sglang_python = python
+        with pytest.raises(StartupErrors) as caught:
+            check_before_start(config)
+        [error] = [e for e in caught.value.errors if e.key == "rollout.sglang_python"]
+        assert problem in str(error)

@@ -82,6 +82,16 @@ def test_command_from_rollout_config():
     assert "--enable-memory-saver" not in command
 
 
+def test_sglang_python_runs_the_launched_servers():
+    """SGLang from its own environment: the command starts with that interpreter."""
+    rollout = RolloutConfig(engine="sglang")
+    command = launch_command_from_config(rollout, "/m", enable_return_routed_experts=False)
+    assert command[:3] == [sys.executable, "-m", "sglang.launch_server"]
+    rollout.sglang_python = "/venvs/sglang/bin/python"
+    command = launch_command_from_config(rollout, "/m", enable_return_routed_experts=False)
+    assert command[:3] == ["/venvs/sglang/bin/python", "-m", "sglang.launch_server"]
+
+
 def test_releasing_memory_launches_with_the_memory_saver():
     rollout = RolloutConfig(engine="sglang", sglang_release_memory=True)
     command = launch_command_from_config(rollout, "/m", enable_return_routed_experts=False)
