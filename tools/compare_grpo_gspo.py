@@ -30,6 +30,17 @@ mismatch (precision and MoE routes):
   grpo_r2         GRPO + R2 (the trainer's own routes: they differ from the engine's)
   grpo_r3         GRPO + R3 (the engine's routes: routing_mismatch_vs_rollout is 0)
 
+With ``--rollout-engine sglang`` the mismatch suite's engine is a real SGLang server in bfloat16
+instead of the embedded one: each variant launches its own server (``rollout.sglang_launch``) from
+SGLang's environment (``--sglang-python``, default ``$MEGATRON_GSPO_SGLANG_VENV/bin/python``),
+started from the same exported initial weights (``model.hf_path``, written to
+``--out/initial_model`` unless the overrides give one) and synced from the trainer at start and
+after every step by the disk transport; the server returns every sample's routes
+(``rollout.sglang_return_routes``) so the routing metrics cover every variant. On CPU the server
+runs SGLang's CPU backend (``--sglang-device cpu``): the AMX path on CPUs with AMX, whose expert
+weights must all be packable (an expert size that is a multiple of 32; ``--quick`` uses 64),
+plain torch elsewhere (docs/sglang-protocol.md section 7).
+
 The async suite (``--suite async``, docs/async.md): the synchronous loop against one step
 off-policy (``rollout.max_staleness=1``):
 
@@ -54,6 +65,8 @@ clip fraction on a log scale, routing change, trainer-vs-rollout log-prob gap).
 Examples:
   python tools/compare_grpo_gspo.py --quick --out compare/
   python tools/compare_grpo_gspo.py --suite mismatch --regime paper --steps 60 --out mismatch/
+  python tools/compare_grpo_gspo.py --suite mismatch --quick --rollout-engine sglang \\
+      --sglang-python /venvs/sglang/bin/python --out mismatch_sglang/
   python tools/compare_grpo_gspo.py --suite async --steps 20 --out async/
   python tools/compare_grpo_gspo.py --out compare/ --steps 100 -- model.hf_path=/models/Qwen3-30B-A3B
   python tools/compare_grpo_gspo.py --preset qwen3_30b_a3b_gspo_4node --out /shared/compare \\
@@ -67,11 +80,13 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import shlex
 import statistics
 import subprocess
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 GSPO = ["algo.importance_sampling=seq", "algo.clip_low=3e-4", "algo.clip_high=4e-4"]
@@ -142,6 +157,21 @@ QUICK = [
     "algo.response_length=12",
     "model.vocab_size=16",
 ]
+SGLANG_VENV_ENV = "MEGATRON_GSPO_SGLANG_VENV"
+SGLANG_DTYPE = "bfloat16"
+QUICK_SGLANG = ["model.moe_ffn_hidden_size=64"]
+"""The CPU demo's expert size 48 is not a multiple of 32: on SGLang's AMX path its bracketed weight
+updates are wrong (docs/sglang-protocol.md section 7); 64 packs on every path."""
+SGLANG_MANAGED_KEYS = (
+    "rollout.engine",
+    "rollout.dtype",
+    "rollout.sglang_urls",
+    "rollout.sglang_launch",
+    "rollout.sglang_python",
+    "rollout.sglang_port",
+    "rollout.sglang_return_routes",
+)
+"""Keys ``--rollout-engine sglang`` sets for every variant; overrides may not set them too."""
 # A grad-norm spike: a step whose grad norm exceeds this multiple of the run's median.
 SPIKE_FACTOR = 5.0
 # Metrics averaged over the run for the summary (missing ones are reported as null).
@@ -190,6 +220,26 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
         help="demo: the preset's learning rate; paper: lr 1e-3, one update moves token ratios "
         "little as in the GSPO paper (default: paper with --quick, else demo)",
     )
+    parser.add_argument(
+        "--rollout-engine",
+        choices=("embedded", "sglang"),
+        default="embedded",
+        help="mismatch suite only: embedded (the project's engine with rollout.dtype=bfloat16) or "
+        "sglang (a real SGLang server in bfloat16, one launched per variant)",
+    )
+    parser.add_argument(
+        "--sglang-python",
+        default=None,
+        help="--rollout-engine sglang: the interpreter of SGLang's own environment (default: "
+        f"${SGLANG_VENV_ENV}/bin/python when set, else this Python)",
+    )
+    parser.add_argument(
+        "--sglang-device",
+        choices=("cpu", "cuda"),
+        default=None,
+        help="--rollout-engine sglang: where SGLang runs (default: cuda when torch sees a GPU); "
+        "cpu adds the CPU backend's flags and environment",
+    )
     parser.add_argument("--preset", default=None, help="preset name or YAML path for every run")
     parser.add_argument("--steps", type=int, default=None, help="RL steps per variant")
     parser.add_argument("--seed", type=int, default=None, help="seed shared by every variant")
@@ -225,23 +275,191 @@ def regime_of(args: argparse.Namespace) -> str:
     return "paper" if args.quick else "demo"
 
 
-def run_command(args: argparse.Namespace, variant: str, overrides: list[str]) -> list[str]:
-    launcher = shlex.split(args.launcher) if args.launcher else [sys.executable]
-    command = launcher + ["-m", "megatron_gspo.train"]
-    if args.preset:
-        command += ["--preset", args.preset]
-    run_overrides = list(COMMON) + SUITE_COMMON[args.suite]
+@dataclass
+class SGLangMode:
+    """``--rollout-engine sglang``: how every variant launches its SGLang server."""
+
+    python: str
+    device: str
+    model_dir: str | None
+    """The exported initial weights (None: the user's model.hf_path)."""
+    kernel_path: str = ""
+    """SGLang's CPU kernel path in words (``sglang_cpu.CpuKernelPath.describe``); '' on GPUs."""
+    env: dict[str, str] = field(default_factory=dict)
+    """Environment of the runs (SGLang's CPU backend switches; the servers inherit it)."""
+
+    def overrides(self, port: int) -> list[str]:
+        from megatron_gspo.rollout.sglang_cpu import cpu_server_args
+
+        server_args = ["--dtype", SGLANG_DTYPE]
+        if self.device == "cpu":
+            server_args = cpu_server_args(SGLANG_DTYPE)
+        chosen = [
+            "rollout.engine=sglang",
+            "rollout.sglang_launch=true",
+            f"rollout.sglang_python={self.python}",
+            f"rollout.sglang_port={port}",
+            "rollout.sglang_return_routes=true",
+            # Disk updates leave the begin/end bracket: the weight update measured right on every
+            # CPU path (docs/sglang-protocol.md section 7).
+            "rollout.weight_transport=disk",
+            "rollout.sglang_extra_args=[" + ",".join(server_args) + "]",
+        ]
+        if self.model_dir is not None:
+            chosen.append(f"model.hf_path={self.model_dir}")
+        return chosen
+
+    def describe(self) -> str:
+        where = f"CPU, {self.kernel_path}" if self.device == "cpu" else self.device
+        return f"SGLang {SGLANG_DTYPE} ({where}), weights by disk"
+
+
+def base_overrides(args: argparse.Namespace, overrides: list[str]) -> list[str]:
+    """Every variant's overrides before its own: the tool's, the suite's, the user's."""
+    run_overrides = list(COMMON)
+    if args.rollout_engine == "embedded":
+        run_overrides += SUITE_COMMON[args.suite]
     if args.quick:
         run_overrides += QUICK
+        if args.rollout_engine == "sglang":
+            run_overrides += QUICK_SGLANG
     run_overrides += REGIMES[regime_of(args)]
     if args.steps is not None:
         run_overrides.append(f"steps={args.steps}")
     if args.seed is not None:
         run_overrides.append(f"seed={args.seed}")
-    run_overrides += overrides  # the user's overrides apply to every variant ...
-    run_overrides += SUITES[args.suite][variant]  # ... and the variant's own come last
+    return run_overrides + overrides  # the user's overrides apply to every variant
+
+
+def run_command(
+    args: argparse.Namespace,
+    variant: str,
+    overrides: list[str],
+    sglang: SGLangMode | None = None,
+    port: int = 0,
+) -> list[str]:
+    launcher = shlex.split(args.launcher) if args.launcher else [sys.executable]
+    command = launcher + ["-m", "megatron_gspo.train"]
+    if args.preset:
+        command += ["--preset", args.preset]
+    run_overrides = base_overrides(args, overrides)
+    if sglang is not None:
+        run_overrides += sglang.overrides(port)
+    run_overrides += SUITES[args.suite][variant]  # the variant's own come last
     run_overrides.append(f"output_dir={Path(args.out) / variant}")
     return command + run_overrides
+
+
+def _override_key(override: str) -> str:
+    return override.lstrip("+~").split("=", 1)[0]
+
+
+def prepare_sglang(
+    args: argparse.Namespace, overrides: list[str]
+) -> tuple[SGLangMode | None, list]:
+    """Check ``--rollout-engine sglang`` against the rest of the command, every problem at once
+    (``(None, problems)``), or export the initial weights and return the mode."""
+    problems = []
+    sglang_options = [
+        name
+        for name, value in (
+            ("--sglang-python", args.sglang_python),
+            ("--sglang-device", args.sglang_device),
+        )
+        if value is not None
+    ]
+    if args.rollout_engine != "sglang":
+        if sglang_options:
+            problems.append(
+                f"{', '.join(sglang_options)} without --rollout-engine sglang: they choose the "
+                "SGLang server of that mode; add --rollout-engine sglang or drop them"
+            )
+        return None, problems
+    if args.suite != "mismatch":
+        problems.append(
+            f"--rollout-engine sglang with --suite {args.suite}: only the mismatch suite runs on "
+            "a real SGLang server (the standard and async suites compare losses and schedules on "
+            "the embedded fp32 engine); use --suite mismatch"
+        )
+    clashing = sorted({_override_key(o) for o in overrides} & set(SGLANG_MANAGED_KEYS))
+    if clashing:
+        problems.append(
+            f"overrides set {', '.join(clashing)}, which --rollout-engine sglang sets for every "
+            "variant (a bf16 SGLang server launched per run from --sglang-python); drop them"
+        )
+    venv = os.environ.get(SGLANG_VENV_ENV)
+    python = args.sglang_python or (str(Path(venv) / "bin" / "python") if venv else sys.executable)
+    from megatron_gspo.preflight import sglang_unavailable
+
+    missing = sglang_unavailable(python)
+    if missing:
+        problems.append(
+            f"--sglang-python {python} cannot start SGLang: {missing}; give the bin/python of "
+            f"SGLang's environment (or set {SGLANG_VENV_ENV})"
+        )
+    if problems:
+        return None, problems
+
+    from megatron_gspo.config import ConfigError
+    from megatron_gspo.config_loader import load_config
+
+    try:
+        cfg = load_config(args.preset, base_overrides(args, overrides))
+    except ConfigError as error:
+        return None, [str(error)]
+    device = args.sglang_device or _default_device()
+    mode = SGLangMode(python=python, device=device, model_dir=None)
+    if device == "cpu":
+        from megatron_gspo.rollout.sglang_cpu import (
+            cpu_server_env,
+            probe_cpu_kernel_path,
+            unpackable_expert_weights,
+        )
+
+        path = probe_cpu_kernel_path(python, SGLANG_DTYPE)
+        mode.kernel_path = path.describe()
+        mode.env = cpu_server_env(SGLANG_DTYPE)
+        unpackable = (
+            unpackable_expert_weights(cfg.model.hidden_size, cfg.model.moe_ffn_hidden_size)
+            if cfg.model.is_moe
+            else []
+        )
+        if path.amx and unpackable:
+            return None, [
+                f"model.moe_ffn_hidden_size={cfg.model.moe_ffn_hidden_size} on SGLang's AMX CPU "
+                f"path ({mode.kernel_path}): the kernels pack w13 but not "
+                f"{', '.join(unpackable)}, and SGLang then computes with a packed weight it "
+                "reads as plain (wrong log-probs after a weight update, docs/sglang-protocol.md "
+                "section 7); use an expert size that is a multiple of 32 (--quick uses 64)"
+            ]
+    if cfg.model.hf_path is None:
+        mode.model_dir = str(export_initial_model(cfg, Path(args.out) / "initial_model"))
+    return mode, []
+
+
+def _default_device() -> str:
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def export_initial_model(cfg, directory: Path) -> Path:
+    """The run's seeded initial weights as a Hugging Face directory: every variant's trainer and
+    server start from it (the servers need a model directory to start)."""
+    from megatron_gspo.convert.hf_config import hf_config_from_model_config
+    from megatron_gspo.rollout.embedded import EmbeddedEngine
+    from megatron_gspo.rollout.sglang_weights import write_hf_checkpoint
+
+    engine = EmbeddedEngine(cfg.model, seed=cfg.seed)
+    try:
+        write_hf_checkpoint(
+            engine.hf_state(),
+            str(directory),
+            config_json=hf_config_from_model_config(cfg.model).to_json_string(),
+        )
+    finally:
+        engine.close()
+    return directory
 
 
 def read_metrics(run_dir: Path) -> list[dict]:
@@ -331,6 +549,9 @@ def write_markdown(summary: dict, path: Path) -> None:
     elif summary["variants"].get("grpo", {}).get("mean_clip_frac_token") == 0.0:
         lines.append("")
         lines.append("GRPO clipped no token in these steps; GSPO's fraction is in the table.")
+    if summary.get("rollout_engine"):
+        lines.append("")
+        lines.append(f"Rollout engine: {summary['rollout_engine']}.")
     path.write_text("\n".join(lines) + "\n")
 
 
@@ -385,9 +606,12 @@ def summarize(
     *,
     suite: str = "standard",
     regime: str = "demo",
+    rollout_engine: str | None = None,
 ) -> dict:
     runs = {variant: read_metrics(out / variant) for variant in variants}
     summary = {"suite": suite, "regime": regime, "variants": {}}
+    if rollout_engine is not None:
+        summary["rollout_engine"] = rollout_engine
     for variant in variants:
         wall, code = timing.get(variant, (None, None))
         summary["variants"][variant] = summarize_variant(runs[variant], wall, code)
@@ -417,6 +641,13 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    sglang, problems = prepare_sglang(args, overrides) if not args.summarize_only else (None, [])
+    if problems:
+        print("compare_grpo_gspo.py: cannot run this combination:", file=sys.stderr)
+        for problem in problems:
+            print(f"  - {problem}", file=sys.stderr)
+        return 2
+    env = {**os.environ, **(sglang.env if sglang else {})}
     timing: dict[str, tuple] = {}
     failed = []
     for variant in variants if not args.summarize_only else []:
@@ -424,15 +655,27 @@ def main(argv: list[str] | None = None) -> int:
         records = read_metrics(run_dir)
         if args.skip_existing and records:
             continue
-        command = run_command(args, variant, overrides)
+        port = 0
+        if sglang is not None:
+            from megatron_gspo.rollout.sglang_weights import free_port
+
+            port = free_port("127.0.0.1")
+        command = run_command(args, variant, overrides, sglang, port)
         print(f"[compare] {variant}: {shlex.join(command)}", flush=True)
         started = time.perf_counter()
-        code = subprocess.call(command)
+        code = subprocess.call(command, env=env)
         timing[variant] = (time.perf_counter() - started, code)
         if code != 0:
             failed.append(variant)
             print(f"[compare] {variant} failed with exit code {code}", file=sys.stderr)
-    summary = summarize(out, variants, timing, suite=args.suite, regime=regime_of(args))
+    summary = summarize(
+        out,
+        variants,
+        timing,
+        suite=args.suite,
+        regime=regime_of(args),
+        rollout_engine=sglang.describe() if sglang else None,
+    )
     print((out / "summary.md").read_text())
     print(f"[compare] wrote {out / 'summary.json'}, summary.md and {', '.join(summary['plots'])}")
     return 1 if failed else 0

@@ -126,3 +126,87 @@ def test_unknown_variant_is_refused(tmp_path):
         text=True,
     )
     assert result.returncode == 2 and "gspo_rollout" in result.stderr
+
+
+def load_tool():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("compare_grpo_gspo", TOOL)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_sglang_mode_command_is_a_valid_config(tmp_path):
+    """--rollout-engine sglang: each variant launches a bf16 SGLang server from the given
+    interpreter with the CPU backend's flags, starts from the exported weights, syncs by disk,
+    asks for routes; --quick uses a packable expert size; the overrides compose into a valid
+    config (tests/real_sglang/test_bf16.py runs it for real)."""
+    from megatron_gspo.config_loader import load_config
+
+    tool = load_tool()
+    args, overrides = tool.parse_args(
+        ["--suite", "mismatch", "--quick", "--out", str(tmp_path), "--rollout-engine", "sglang"]
+    )
+    mode = tool.SGLangMode(python="/venv/bin/python", device="cpu", model_dir="/m")
+    command = tool.run_command(args, "grpo_r3", overrides, mode, port=31234)
+    assert command[1:3] == ["-m", "megatron_gspo.train"]
+    run_overrides = command[3:]
+    for expected in (
+        "rollout.engine=sglang",
+        "rollout.sglang_launch=true",
+        "rollout.sglang_python=/venv/bin/python",
+        "rollout.sglang_port=31234",
+        "rollout.sglang_return_routes=true",
+        "rollout.weight_transport=disk",
+        "model.hf_path=/m",
+        "model.moe_ffn_hidden_size=64",
+        "algo.routing_replay=r3",
+    ):
+        assert expected in run_overrides, expected
+    assert not any(o.startswith("rollout.dtype=") for o in run_overrides)
+    cfg = load_config(None, [o for o in run_overrides if not o.startswith("model.hf_path=")])
+    assert cfg.rollout.sglang_extra_args[:4] == ["--dtype", "bfloat16", "--device", "cpu"]
+    assert cfg.requests_rollout_routes and cfg.model.moe_ffn_hidden_size == 64
+    cfg.algo.routing_replay = "r2"
+    assert cfg.requests_rollout_routes  # R2's routing metrics get the engine's routes too
+    # On a GPU the server keeps its own flags; only the dtype is the suite's.
+    mode.device = "cuda"
+    gpu = tool.run_command(args, "grpo_r3", overrides, mode, port=31234)
+    assert "rollout.sglang_extra_args=[--dtype,bfloat16]" in gpu
+
+
+def test_sglang_mode_refuses_impossible_combinations(tmp_path):
+    """Every problem at once, before any run starts, exit code 2."""
+    result = subprocess.run(
+        [
+            sys.executable,
+            str(TOOL),
+            "--suite",
+            "standard",
+            "--rollout-engine",
+            "sglang",
+            "--sglang-python",
+            str(tmp_path / "missing" / "python"),
+            "--out",
+            str(tmp_path / "out"),
+            "--",
+            "rollout.dtype=bfloat16",
+            "rollout.sglang_urls=[http://127.0.0.1:1]",
+        ],
+        capture_output=True,
+        text=True,
+    )
+    assert result.returncode == 2, result.stderr
+    assert "only the mismatch suite" in result.stderr
+    assert "rollout.dtype, rollout.sglang_urls" in result.stderr
+    assert "no executable file there" in result.stderr
+    assert "Traceback" not in result.stderr
+    assert not (tmp_path / "out" / "gspo").exists()
+    result = subprocess.run(
+        [sys.executable, str(TOOL), "--sglang-device", "cpu", "--out", str(tmp_path / "out")],
+        capture_output=True,
+        text=True,
+    )
+    assert result.returncode == 2 and "without --rollout-engine sglang" in result.stderr
