@@ -402,9 +402,11 @@ def prepare_sglang(
 
     from megatron_gspo.config import ConfigError
     from megatron_gspo.config_loader import load_config
+    from megatron_gspo.run_setup import resolve_model
 
     try:
-        cfg = load_config(args.preset, base_overrides(args, overrides))
+        # With the user's model.hf_path the shape comes from its config.json.
+        cfg = resolve_model(load_config(args.preset, base_overrides(args, overrides)))
     except ConfigError as error:
         return None, [str(error)]
     device = args.sglang_device or _default_device()
@@ -416,7 +418,10 @@ def prepare_sglang(
             unpackable_expert_weights,
         )
 
-        path = probe_cpu_kernel_path(python, SGLANG_DTYPE)
+        try:
+            path = probe_cpu_kernel_path(python, SGLANG_DTYPE)
+        except (RuntimeError, OSError, subprocess.TimeoutExpired) as error:
+            return None, [f"SGLang's CPU kernel path could not be determined: {error}"]
         mode.kernel_path = path.describe()
         mode.env = cpu_server_env(SGLANG_DTYPE)
         unpackable = (
@@ -435,6 +440,14 @@ def prepare_sglang(
     if cfg.model.hf_path is None:
         mode.model_dir = str(export_initial_model(cfg, Path(args.out) / "initial_model"))
     return mode, []
+
+
+def previous_engine(out: Path) -> str | None:
+    """The engine an earlier summary of ``out`` named (kept by ``--summarize-only``)."""
+    try:
+        return json.loads((out / "summary.json").read_text()).get("rollout_engine")
+    except (OSError, ValueError):
+        return None
 
 
 def _default_device() -> str:
@@ -674,7 +687,7 @@ def main(argv: list[str] | None = None) -> int:
         timing,
         suite=args.suite,
         regime=regime_of(args),
-        rollout_engine=sglang.describe() if sglang else None,
+        rollout_engine=sglang.describe() if sglang else previous_engine(out),
     )
     print((out / "summary.md").read_text())
     print(f"[compare] wrote {out / 'summary.json'}, summary.md and {', '.join(summary['plots'])}")
