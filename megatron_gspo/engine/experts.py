@@ -20,6 +20,7 @@ each forward), and its CPU kernel needs 16-byte aligned rows; not used.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -36,42 +37,35 @@ def _elementwise_activations() -> tuple[Callable, ...]:
 
 
 def _hooked(module: torch.nn.Module) -> bool:
-    hooks = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
-    return any(getattr(module, name, None) for name in hooks)
+    return bool(
+        module._forward_hooks
+        or module._forward_pre_hooks
+        or module._backward_hooks
+        or module._backward_pre_hooks
+    )
 
 
-def _plain_linear(linear: Any, kind: type, hidden: torch.Tensor) -> bool:
-    """A local-spec linear that computes ``x @ W^T`` and nothing else at this input."""
+def _plain_linear_structure(linear: Any, kind: type) -> bool:
+    """A local-spec linear that computes ``x @ W^T`` and nothing else (its dtype, device and
+    hooks aside, which :func:`batched_experts_supported` checks per call)."""
     return (
         type(linear) is kind
         and linear.bias is None
         and not linear.gradient_accumulation_fusion
         and linear.weight is not None
-        and linear.weight.dtype == hidden.dtype
-        and linear.weight.device == hidden.device
         and (linear.tp_group is None or linear.tp_group.size() == 1)
-        and not _hooked(linear)
     )
 
 
-def batched_experts_supported(
-    experts: Any, hidden: torch.Tensor, tokens_per_expert: Any, probs: Any
-) -> bool:
-    """Whether :func:`batched_experts_forward` computes exactly what ``SequentialMLP.forward``
-    would: CPU, several local experts, the local spec's linears without bias at expert tensor
-    parallel 1, no fp8/fp4, no fused or TE activation, an elementwise activation, no hooks."""
+def _supported_structure(experts: Any) -> bool:
+    """The part of :func:`batched_experts_supported` fixed when the module is built: its config,
+    the types, forwards and activations of its local experts and the kind of their linears."""
     config = experts.config
     local_experts = getattr(experts, "local_experts", None)
     tp_group = getattr(experts, "tp_group", None)
     if (
-        hidden.device.type != "cpu"
-        or hidden.dim() != 2
-        or not torch.is_tensor(probs)
-        or probs.shape != hidden.shape[:1]
-        or not torch.is_tensor(tokens_per_expert)
-        or local_experts is None
+        local_experts is None
         or len(local_experts) < 2
-        or tokens_per_expert.shape != (len(local_experts),)
         or (tp_group is not None and tp_group.size() != 1)
         or getattr(config, "fp8", None)
         or getattr(config, "fp4", None)
@@ -84,15 +78,57 @@ def batched_experts_supported(
         or config.activation_func not in _elementwise_activations()
     ):
         return False
+    return all(
+        type(expert).forward is MLP.forward
+        and (config.gated_linear_unit or expert.activation_func is config.activation_func)
+        and _plain_linear_structure(getattr(expert, "linear_fc1", None), ColumnParallelLinear)
+        and _plain_linear_structure(getattr(expert, "linear_fc2", None), RowParallelLinear)
+        for expert in local_experts
+    )
+
+
+_STRUCTURE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+"""experts module -> (its config, the layer classes' forwards, :func:`_supported_structure`):
+checked once per module and forward pair, since they do not change after the model is built; a
+new config object or a patched ``MLP.forward`` checks again."""
+
+
+def batched_experts_supported(
+    experts: Any, hidden: torch.Tensor, tokens_per_expert: Any, probs: Any
+) -> bool:
+    """Whether :func:`batched_experts_forward` computes exactly what ``SequentialMLP.forward``
+    would: CPU, several local experts, the local spec's linears without bias at expert tensor
+    parallel 1, no fp8/fp4, no fused or TE activation, an elementwise activation, no hooks.
+
+    What is fixed when the model is built is checked once per experts module (a few hundred
+    microseconds per MoE layer and forward at 8 experts otherwise); the inputs, hooks, dtypes and
+    devices on every call."""
+    if (
+        hidden.device.type != "cpu"
+        or hidden.dim() != 2
+        or not torch.is_tensor(probs)
+        or probs.shape != hidden.shape[:1]
+        or not torch.is_tensor(tokens_per_expert)
+    ):
+        return False
+    key = (experts.config, MLP.forward)
+    cached = _STRUCTURE.get(experts)
+    if cached is None or cached[0] is not key[0] or cached[1] is not key[1]:
+        cached = (*key, _supported_structure(experts))
+        _STRUCTURE[experts] = cached
+    if not cached[2]:
+        return False
+    local_experts = experts.local_experts
+    if tokens_per_expert.shape != (len(local_experts),):
+        return False
+    dtype, device = hidden.dtype, hidden.device
     for expert in local_experts:
-        if (
-            type(expert).forward is not MLP.forward
-            or _hooked(expert)
-            or not (config.gated_linear_unit or expert.activation_func is config.activation_func)
-            or not _plain_linear(getattr(expert, "linear_fc1", None), ColumnParallelLinear, hidden)
-            or not _plain_linear(getattr(expert, "linear_fc2", None), RowParallelLinear, hidden)
-        ):
+        fc1, fc2 = expert.linear_fc1, expert.linear_fc2
+        if _hooked(expert) or _hooked(fc1) or _hooked(fc2):
             return False
+        for weight in (fc1.weight, fc2.weight):
+            if weight.dtype != dtype or weight.device != device:
+                return False
     return int(tokens_per_expert.sum()) == hidden.shape[0]
 
 
