@@ -61,9 +61,13 @@ class _CpuAllocatingTorch:
         self._torch = real_torch
 
     def __getattr__(self, name: str) -> Any:
+        # Resolved once, then found in the instance (the module's hot path asks for ``torch.mm``,
+        # ``torch.cat``, ... tens of times per training step). Nothing patches torch's top-level
+        # names after import.
         value = getattr(self._torch, name)
         if name in self._FACTORIES:
-            return self._wrap(value)
+            value = self._wrap(value)
+        setattr(self, name, value)
         return value
 
     @staticmethod
