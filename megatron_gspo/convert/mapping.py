@@ -33,6 +33,7 @@ Tensor rules (``H`` query heads, ``G`` key/value groups, ``d`` head_dim, ``h`` h
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -94,8 +95,10 @@ class ParamKey:
     expert: Optional[int] = None
 
 
+@functools.lru_cache(maxsize=65536)
 def parse_megatron_name(global_name: str) -> ParamKey:
-    """Classify a one-process Megatron parameter name (local or TE spelling).
+    """Classify a one-process Megatron parameter name (local or TE spelling). A pure function of
+    the name, remembered: every weight sync classifies the same names again.
 
     Raises :class:`ConversionError` for names outside the supported architectures (for example
     the legacy ``GroupedMLP`` ``weight1``/``weight2``, which stack all local experts in one tensor).
@@ -254,6 +257,11 @@ def hf_names_for(global_name: str, model: ModelConfig) -> list[str]:
     """
     key = parse_megatron_name(global_name)
     _check_key(key, model, global_name)
+    return _hf_names(key, model)
+
+
+def _hf_names(key: ParamKey, model: ModelConfig) -> list[str]:
+    """:func:`hf_names_for` of a parsed and checked ``key``."""
     if key.kind == "output" and model.tie_word_embeddings:
         return []
     if key.layer is None:
@@ -354,7 +362,7 @@ def megatron_to_hf(
     """
     key = parse_megatron_name(global_name)
     _check_key(key, model, global_name)
-    names = hf_names_for(global_name, model)
+    names = _hf_names(key, model)
     if not names:
         return []
     expected = _expected_shape(key, model)
@@ -422,6 +430,7 @@ def megatron_from_hf(
     return full
 
 
+@functools.lru_cache(maxsize=65536)
 def parameter_sort_key(global_name: str) -> tuple:
     """Order of a one-process Megatron name: embedding, decoder layers by (layer, expert), final
     norm, output layer. Every rank sorts the same names the same way."""

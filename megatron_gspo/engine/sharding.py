@@ -35,6 +35,7 @@ shard, so one seed gives the same model in every layout.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import math
 import re
@@ -105,10 +106,20 @@ _LOCAL_EXPERT = re.compile(r"^(mlp\.experts\.local_experts\.)(\d+)(\..*)$")
 _GROUPED_EXPERT = re.compile(r"^(mlp\.experts\.linear_fc[12]\.(?:weight|bias))(\d+)$")
 
 
-def _classify(suffix: str, local_name: str) -> tuple[str, Optional[int], bool]:
+@functools.lru_cache(maxsize=65536)
+def _rule_for(suffix: str) -> Optional[tuple[str, Optional[int], bool]]:
+    """``(kind, dim, is_expert)`` of the first rule matching ``suffix`` (remembered: a pure
+    function of the name, asked again for every parameter at every weight sync)."""
     for pattern, kind, dim, expert in _RULES:
         if pattern.match(suffix):
             return kind, dim, expert
+    return None
+
+
+def _classify(suffix: str, local_name: str) -> tuple[str, Optional[int], bool]:
+    rule = _rule_for(suffix)
+    if rule is not None:
+        return rule
     raise ValueError(
         f"parameter {local_name!r} has no sharding rule in megatron_gspo.engine.sharding; add one "
         "to _RULES (its tensor-parallel split decides how it is gathered and initialised)"
@@ -141,22 +152,27 @@ def iter_global_parameters(
     """``(global_name, local_param, ShardInfo)`` for every parameter of this rank's chunks (DDP
     wrappers are unwrapped), in chunk then module order."""
     ep_rank = parallel_state.get_expert_model_parallel_rank()
+    # The groups are the same for every parameter of one kind: looked up once per call.
+    split_groups: dict[bool, tuple[dist.ProcessGroup, int, int]] = {}
     for chunk in model_chunks:
         model = _unwrap(chunk)
         vocab = getattr(model, "unpadded_vocab_size", None)
         tied = bool(getattr(model, "share_embeddings_and_output_weights", False))
+        decoder = getattr(model, "decoder", None)
+        # A list, not the ModuleList: its indexing walks the modules on every access.
+        layers = list(decoder.layers) if decoder is not None else []
         for local_name, param in model.named_parameters():
             layer = None
             suffix = local_name
             match = _LAYER.match(local_name)
             if match:
-                layer_module = model.decoder.layers[int(match.group(1))]
+                layer_module = layers[int(match.group(1))]
                 layer = layer_module.layer_number - 1
                 suffix = match.group(2)
             kind, dim, is_expert = _classify(suffix, local_name)
             expert = None
             if is_expert:
-                num_local = model.decoder.layers[int(match.group(1))].mlp.experts.num_local_experts
+                num_local = layer_module.mlp.experts.num_local_experts
                 local_match = _LOCAL_EXPERT.match(suffix) or _GROUPED_EXPERT.match(suffix)
                 expert = ep_rank * num_local + int(local_match.group(2))
                 if _LOCAL_EXPERT.match(suffix):
@@ -170,7 +186,9 @@ def iter_global_parameters(
             if kind == REPLICATED:
                 group, world, rank = None, 1, 0
             else:
-                group, world, rank = _split_group(is_expert)
+                if is_expert not in split_groups:
+                    split_groups[is_expert] = _split_group(is_expert)
+                group, world, rank = split_groups[is_expert]
             full_shape = list(param.shape)
             if kind != REPLICATED:
                 full_shape[dim] *= world
