@@ -36,10 +36,6 @@ from megatron.core.distributed import finalize_model_grads
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
-from megatron.core.transformer.moe.moe_utils import (
-    clear_aux_losses_tracker,
-    get_moe_layer_wise_logging_tracker,
-)
 
 from megatron_gspo.algo import finish_correction_metrics, policy_loss
 from megatron_gspo.config import TrainConfig
@@ -64,6 +60,7 @@ from megatron_gspo.engine.packing import padding_multiple
 from megatron_gspo.engine.parallel import ParallelState, all_reduce, initialize_parallel
 from megatron_gspo.engine.routing_replay import PolicyRouting, RoutingPass, check_never_replays
 from megatron_gspo.engine.sharding import initialize_weights_from_seed
+from megatron_gspo.engine.step_metrics import load_balancing_loss, reduce_loss_metrics
 from megatron_gspo.health import RunStopped
 from megatron_gspo.samples import TrainSample
 
@@ -493,11 +490,16 @@ class TrainEngine:
             outputs = self._run_schedule(
                 self.model, micro_batches, loss_func, forward_only=False, routing=routing_pass
             )
-        metrics = finish_correction_metrics(self._reduce_metrics(outputs))
+        metrics = finish_correction_metrics(reduce_loss_metrics(outputs, self.parallel))
         if routing_pass is not None:
             metrics.update(routing_pass.metrics)
         if self.cfg.model.is_moe and self.cfg.model.moe_aux_loss_coef > 0:
-            metrics["moe_load_balancing_loss"] = self._load_balancing_loss(num_micro_batches)
+            metrics["moe_load_balancing_loss"] = load_balancing_loss(
+                self.config.num_layers,
+                len(self.cfg.model.moe_layer_indices),
+                num_micro_batches,
+                self.parallel,
+            )
         padding = sum(mb.packed.padding_tokens for mb in micro_batches if mb.sample_indices)
         tokens = sum(mb.packed.num_tokens for mb in micro_batches)
         counts = torch.tensor([padding, tokens], dtype=torch.float64, device=device)
@@ -562,60 +564,3 @@ class TrainEngine:
                 "optim.max_consecutive_skips",
             )
         return metrics
-
-    def _load_balancing_loss(self, num_micro_batches: int) -> float:
-        """Megatron's load-balancing loss (before ``moe_aux_loss_coef``) averaged over MoE
-        layers and the step's micro-batches; resets Megatron's tracker.
-
-        Each rank's tracker holds, per layer, its part of every micro-batch's loss (tp and cp
-        ranks hold partial sums over their tokens; pp ranks their layers; dp ranks their
-        micro-batches), so one SUM over the world gives the total.
-        """
-        tracker = get_moe_layer_wise_logging_tracker()
-        entry = tracker.get("load_balancing_loss")
-        values = torch.zeros(
-            self.config.num_layers, dtype=torch.float64, device=self.parallel.device
-        )
-        if entry is not None:
-            values += entry["values"][: self.config.num_layers].to(values)
-        all_reduce(values, self.parallel.world_group)
-        clear_aux_losses_tracker()
-        moe_layers = len(self.cfg.model.moe_layer_indices)
-        return float(values.sum()) / (moe_layers * num_micro_batches * self.parallel.dp)
-
-    def _reduce_metrics(self, outputs: list[dict]) -> dict[str, float]:
-        """Sum (``*_max``: max, ``*_min``: min) over micro-batches and dp x cp ranks; broadcast
-        over pp."""
-        parallel = self.parallel
-        result: Optional[dict[str, float]] = None
-        if parallel.is_last_stage:
-            names = sorted(outputs[0])
-            sums = [n for n in names if not n.endswith(("_max", "_min"))]
-            maxima = [n for n in names if n.endswith("_max")]
-            # Minima travel negated, so that one MAX all-reduce serves both.
-            minima = [n for n in names if n.endswith("_min")]
-            device = parallel.device
-            sum_vector = torch.stack(
-                [torch.stack([out[n] for out in outputs]).sum() for n in sums]
-            ).to(device, torch.float64)
-            extremes = [torch.stack([out[n] for out in outputs]).max() for n in maxima] + [
-                -torch.stack([out[n] for out in outputs]).min() for n in minima
-            ]
-            max_vector = (
-                torch.stack(extremes).to(device, torch.float64)
-                if extremes
-                else torch.zeros(0, dtype=torch.float64, device=device)
-            )
-            all_reduce(sum_vector, parallel.dp_cp_group)
-            if extremes:
-                all_reduce(max_vector, parallel.dp_cp_group, dist.ReduceOp.MAX)
-            result = dict(zip(sums, sum_vector.tolist()))
-            values = max_vector.tolist()
-            result.update(zip(maxima, values[: len(maxima)]))
-            result.update(zip(minima, [-value for value in values[len(maxima) :]]))
-        if parallel.pp > 1:
-            holder = [result]
-            source = dist.get_global_rank(parallel.pp_group, parallel.pp - 1)
-            dist.broadcast_object_list(holder, src=source, group=parallel.pp_group)
-            result = holder[0]
-        return result
