@@ -167,8 +167,13 @@ class ParallelConfig:
     longest); a sample longer than this gets a micro-batch of its own."""
     use_distributed_optimizer: bool = False
     """Shard optimizer state over data parallel (Megatron's distributed optimizer)."""
-    moe_token_dispatcher: str = "alltoall"
-    """Megatron MoE token dispatcher: alltoall or allgather."""
+    moe_token_dispatcher: str = "auto"
+    """Megatron MoE token dispatcher: alltoall, allgather, or auto. auto is Megatron's allgather
+    dispatcher on CPU when the model is not split at all (tp = ep = etp = pp = cp = 1): there both
+    dispatchers permute the tokens to the experts and back with the same operations, bit for bit,
+    and allgather's path skips the all-to-all's metadata, its autograd nodes over a group of
+    one and the chunk sort (~1 ms per micro-batch of the vs-TRL tiny job); alltoall everywhere
+    else (Megatron's choice for expert parallel)."""
     collective_timeout_minutes: float = 30.0
     """How long a collective may wait for a peer before the run fails (a frozen node otherwise
     hangs every other rank). Must exceed the longest rollout, evaluation or checkpoint on the
@@ -195,8 +200,9 @@ class ParallelConfig:
         _check_choice(
             "parallel.moe_token_dispatcher",
             self.moe_token_dispatcher,
-            ("alltoall", "allgather"),
-            "these are the Megatron-Core dispatchers that run without DeepEP",
+            ("auto", "alltoall", "allgather"),
+            "these are the Megatron-Core dispatchers that run without DeepEP (auto: chosen "
+            "by layout)",
         )
 
     @property

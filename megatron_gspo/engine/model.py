@@ -63,6 +63,18 @@ def padded_vocab_size(vocab_size: int, tp: int) -> int:
     return -(-vocab_size // tp) * tp
 
 
+def token_dispatcher(parallel: ParallelConfig, *, on_gpu: bool) -> str:
+    """Megatron's MoE token dispatcher for ``parallel.moe_token_dispatcher``: ``auto`` is
+    allgather on CPU when nothing is split (tp = ep = etp = pp = cp = 1), where it routes the
+    tokens exactly as alltoall does with fewer operations (``tests/engine/test_engine.py``
+    checks the two bit for bit), and alltoall otherwise."""
+    choice = parallel.moe_token_dispatcher
+    if choice != "auto":
+        return choice
+    alone = parallel.tp == parallel.ep == parallel.etp == parallel.pp == parallel.cp == 1
+    return "allgather" if alone and not on_gpu else "alltoall"
+
+
 def transformer_config(
     model: ModelConfig,
     parallel: ParallelConfig,
@@ -159,7 +171,9 @@ def transformer_config(
         variable_seq_lengths=parallel.pp > 1,
         # Megatron validates the dispatcher even without experts; allgather rejects
         # variable_seq_lengths.
-        moe_token_dispatcher_type=parallel.moe_token_dispatcher if model.is_moe else "alltoall",
+        moe_token_dispatcher_type=(
+            token_dispatcher(parallel, on_gpu=on_gpu) if model.is_moe else "alltoall"
+        ),
         # At pp=2 with virtual stages the previous and next rank are one process; batched p2p
         # then pairs same-shaped messages in the wrong order on gloo (megatron-cpu.md).
         batch_p2p_comm=vpp is None,

@@ -132,6 +132,40 @@ def check_load_balancing_loss_reaches_the_router() -> None:
     assert math.isfinite(metrics["loss"])
 
 
+def check_auto_dispatcher_is_allgather_alone_and_exact() -> None:
+    """``parallel.moe_token_dispatcher=auto`` on one process builds Megatron's allgather
+    dispatcher, whose training (log-probs, loss, gradient norm, weights after two optimizer
+    steps, the load-balancing loss included) equals the alltoall dispatcher's bit for bit."""
+    engines = {
+        kind: _engine(parallel__moe_token_dispatcher=kind, model__moe_aux_loss_coef=0.01)
+        for kind in ("auto", "alltoall")
+    }
+    kinds = {
+        kind: {
+            type(module.token_dispatcher).__name__
+            for module in engine.policy_chunks[0].modules()
+            if hasattr(module, "token_dispatcher")
+        }
+        for kind, engine in engines.items()
+    }
+    assert kinds == {
+        "auto": {"MoEAllGatherTokenDispatcher"},
+        "alltoall": {"MoEAlltoAllTokenDispatcher"},
+    }, kinds
+    samples = make_samples()
+    results = {}
+    for kind, engine in engines.items():
+        log_probs = engine.forward_log_probs(samples).log_probs
+        steps = [engine.train_step(samples) for _ in range(2)]
+        results[kind] = (log_probs, steps, gather_full_state(engine.model))
+    (auto_lp, auto_steps, auto_state), (a2a_lp, a2a_steps, a2a_state) = results.values()
+    assert all(torch.equal(a, b) for a, b in zip(auto_lp, a2a_lp))
+    for auto_metrics, a2a_metrics in zip(auto_steps, a2a_steps):
+        for name in ("loss", "grad_norm", "moe_load_balancing_loss"):
+            assert auto_metrics[name] == a2a_metrics[name], (name, auto_metrics, a2a_metrics)
+    assert all(torch.equal(auto_state[name], a2a_state[name]) for name in a2a_state)
+
+
 def check_routing_replay_is_settable() -> None:
     from megatron.core.transformer.moe.router_replay import RouterReplay
 
