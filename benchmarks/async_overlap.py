@@ -16,7 +16,17 @@ than they gain on a shared box). Scenarios:
 
 * ``demo``: the CPU demo (32 prompts x 8 samples, responses up to 10 tokens), no SFT warm-up;
 * ``long``: fixed-length responses of ``--long-tokens`` tokens (``min_new_tokens``) and 16
-  prompts, where generation costs about as much as training.
+  prompts, where generation costs about as much as training;
+* ``large``: ``long`` with a model of 16x the parameters (hidden 256, 4 layers) and the
+  engine's log-probs as the old policy: generation and training take seconds each, so the
+  per-sample Python work of the producer (HTTP, parsing, reward calls; it shares the trainer's
+  interpreter lock) is small next to them.
+
+Besides wall-clock times, the CPU seconds per step of each process (psutil, from outside):
+the trainer's main thread, its other threads (the producer), the loopback server and the reward
+workers. ``CPU: step / max`` is the step's busiest process in CPU seconds over the sync run's
+max(generation, training) scaled to CPU: what the ratio would be without the machine's other
+load (see :func:`cpu_ratio`).
 
 Per variant and scenario (medians over runs of the steps after the first, which carries one-time
 costs): step time, generated tokens per second, and for the synchronous loop its generation
@@ -27,7 +37,7 @@ round; an asynchronous loop that overlaps perfectly reaches 1.0, the synchronous
 
 Usage (from the repository root)::
 
-    python benchmarks/async_overlap.py                   # 8 steps, 2 rounds, demo and long
+    python benchmarks/async_overlap.py                   # 8 steps, 2 rounds, every scenario
     python benchmarks/async_overlap.py --quick           # 4 steps, 1 round: a few minutes
     python benchmarks/async_overlap.py --thread --json   # + the in-process thread engine; JSON
 """
@@ -43,6 +53,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Optional
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -52,6 +63,20 @@ SCENARIOS = {
         "sft_warmup_steps=0",
         "algo.rollout_batch_size=16",
         "algo.num_mini_batches=4",
+    ],
+    # A model 16x the demo's parameters (hidden 256, 4 layers), where a step's generation and
+    # training take seconds and per-sample Python costs (HTTP, parsing, reward calls) are small
+    # next to them; the engine's log-probs as the old policy (no old-log-prob forward), so that
+    # training costs about what generation does.
+    "large": [
+        "sft_warmup_steps=0",
+        "algo.rollout_batch_size=16",
+        "model.hidden_size=256",
+        "model.head_dim=64",
+        "model.num_layers=4",
+        "model.ffn_hidden_size=512",
+        "model.moe_ffn_hidden_size=256",
+        "algo.old_log_prob_source=rollout",
     ],
 }
 SERVER_PROCESS = ["rollout.engine=embedded_http", "rollout.embedded_server_process=true"]
@@ -73,8 +98,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     )
     parser.add_argument("--steps", type=int, default=8, help="RL steps per run")
     parser.add_argument("--rounds", type=int, default=2, help="runs of each variant")
-    parser.add_argument("--scenarios", default="demo,long", help="comma-separated: demo, long")
-    parser.add_argument("--long-tokens", type=int, default=48, help="response length of 'long'")
+    parser.add_argument(
+        "--scenarios", default="demo,long,large", help="comma-separated: demo, long, large"
+    )
+    parser.add_argument(
+        "--long-tokens", type=int, default=48, help="response length of long, large"
+    )
     parser.add_argument("--threads", type=int, default=1, help="torch threads per process")
     parser.add_argument("--thread", action="store_true", help="also the in-process thread engine")
     parser.add_argument("--quick", action="store_true", help="4 steps, 1 round")
@@ -98,7 +127,7 @@ def run_variant(
         "overwrite_output_dir=true",
         f"output_dir={output_dir}",
     ]
-    if scenario == "long":
+    if scenario in ("long", "large"):
         tokens = args.long_tokens
         overrides += [f"algo.response_length={tokens}", f"rollout.min_new_tokens={tokens}"]
     if variant in ("async1", "async2"):
@@ -107,12 +136,88 @@ def run_variant(
     command = [sys.executable, "-m", "megatron_gspo.train", *overrides]
     output_dir.parent.mkdir(parents=True, exist_ok=True)
     log_path = output_dir.parent / f"{output_dir.name}.log"
+    (output_dir / "metrics.jsonl").unlink(missing_ok=True)  # a kept directory's earlier run
     with log_path.open("w") as log:
-        code = subprocess.call(command, cwd=REPO_ROOT, env=env, stdout=log, stderr=log)
-    if code != 0:
-        raise SystemExit(f"{scenario}/{variant} failed ({code}); log: {log_path}")
+        process = subprocess.Popen(command, cwd=REPO_ROOT, env=env, stdout=log, stderr=log)
+        cpu = CpuMeter(process.pid, output_dir / "metrics.jsonl")
+        while process.poll() is None:
+            cpu.sample()
+            time.sleep(0.02)
+    if process.returncode != 0:
+        raise SystemExit(f"{scenario}/{variant} failed ({process.returncode}); log: {log_path}")
     lines = (output_dir / "metrics.jsonl").read_text().splitlines()
-    return [json.loads(line) for line in lines if line.strip()]
+    records = [json.loads(line) for line in lines if line.strip()]
+    return records, cpu.per_step()
+
+
+class CpuMeter:
+    """CPU seconds per RL step of the run's processes, from outside (psutil), over the steps
+    after the first: the trainer's main thread (training), its other threads (the producer:
+    HTTP, sample assembly, reward dispatch), the loopback server process (generation) and the
+    rest (reward workers). On a machine shared with other work, wall-clock times stretch with
+    the load but CPU times hardly do: they say what an idle machine would see."""
+
+    def __init__(self, pid: int, metrics_path: Path):
+        import psutil
+
+        self.trainer = psutil.Process(pid)
+        self.metrics_path = metrics_path
+        self.first: Optional[tuple[int, float, dict[str, float]]] = None
+        self.last: Optional[tuple[int, float, dict[str, float]]] = None
+
+    def _steps_logged(self) -> int:
+        try:
+            return self.metrics_path.read_text().count("\n")
+        except FileNotFoundError:
+            return 0
+
+    def _cpu(self) -> dict[str, float]:
+        import psutil
+
+        parts = {"trainer_main": 0.0, "trainer_threads": 0.0, "server": 0.0, "other": 0.0}
+        try:
+            for thread in self.trainer.threads():
+                seconds = thread.user_time + thread.system_time
+                parts["trainer_main" if thread.id == self.trainer.pid else "trainer_threads"] += (
+                    seconds
+                )
+            children = self.trainer.children(recursive=True)
+        except psutil.Error:
+            return {}
+        for child in children:
+            try:
+                times = child.cpu_times()
+                server = "megatron_gspo.rollout.server" in " ".join(child.cmdline())
+            except psutil.Error:
+                continue
+            parts["server" if server else "other"] += times.user + times.system
+        return parts
+
+    def sample(self) -> None:
+        """Called every few milliseconds: records the CPU times when a new step's line
+        appears (not later: the shutdown after the last step would count, and the server's
+        times vanish once it has exited)."""
+        steps = self._steps_logged()
+        if steps < 1 or (self.last is not None and steps <= self.last[0]):
+            return
+        cpu = self._cpu()
+        if not cpu:
+            return
+        point = (steps, time.monotonic(), cpu)
+        if self.first is None:
+            self.first = point
+        self.last = point
+
+    def per_step(self) -> dict[str, float]:
+        if self.first is None or self.last is None or self.last[0] <= self.first[0]:
+            return {}
+        steps = self.last[0] - self.first[0]
+        result = {
+            f"cpu_{name}_s": (self.last[2][name] - self.first[2].get(name, 0.0)) / steps
+            for name in self.last[2]
+        }
+        result["cpu_wall_s"] = (self.last[1] - self.first[1]) / steps
+        return result
 
 
 def summarize(records: list[dict]) -> dict[str, float]:
@@ -128,11 +233,40 @@ def summarize(records: list[dict]) -> dict[str, float]:
         ),
         "training_s": statistics.median(sum(r.get(k, 0.0) for k in TRAINING_KEYS) for r in steady),
     }
-    for key in ("staleness_mean", "overlap_frac", "trainer_wait_s", "partial_sample_frac"):
+    # Where the step goes: the trainer's stages, the engine's generation (async: the chunks
+    # made since the previous batch), and the async driver's measurements.
+    keys = {
+        "update_s": "time/update_s",
+        "old_log_probs_s": "time/old_log_probs_s",
+        "weight_sync_s": "time/weight_sync_s",
+        "reward_s": "time/reward_s",
+        "engine_generation_s": "generation_s",
+        "engine_idle_s": "engine_idle_s",
+        "staleness_mean": "staleness_mean",
+        "overlap_frac": "overlap_frac",
+        "trainer_wait_s": "trainer_wait_s",
+        "partial_sample_frac": "partial_sample_frac",
+    }
+    for name, key in keys.items():
         values = [r[key] for r in steady if key in r]
         if values:
-            summary[key] = statistics.median(values)
+            summary[name] = statistics.median(values)
     return summary
+
+
+def cpu_ratio(run: dict, sync: dict) -> Optional[float]:
+    """What ``step_over_max_phase`` would be without the machine's other load: the step's
+    busiest process (trainer, or loopback server with the reward workers) in CPU seconds, over
+    the sync run's max(generation, training) scaled by that run's CPU / wall (the share of its
+    wall time the sync trainer got a core; the load stretches both phases alike)."""
+    keys = ("cpu_trainer_main_s", "cpu_trainer_threads_s", "cpu_server_s", "cpu_other_s")
+    if not all(key in run and key in sync for key in keys):
+        return None
+    trainer = run["cpu_trainer_main_s"] + run["cpu_trainer_threads_s"]
+    engine = run["cpu_server_s"] + run["cpu_other_s"]
+    sync_cpu = sum(sync[key] for key in keys)
+    sync_share = min(1.0, sync_cpu / sync["cpu_wall_s"])
+    return max(trainer, engine) / (max(sync["generation_s"], sync["training_s"]) * sync_share)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -146,8 +280,8 @@ def main(argv: list[str] | None = None) -> int:
         for scenario in scenarios:
             for variant in variants:
                 run_dir = root / f"{scenario}-{variant}-{round_index}"
-                records = run_variant(args, scenario, variant, run_dir)
-                results[scenario][variant].append(summarize(records))
+                records, cpu = run_variant(args, scenario, variant, run_dir)
+                results[scenario][variant].append({**summarize(records), **cpu})
                 print(
                     f"[async_overlap] {scenario}/{variant} round {round_index}: "
                     f"{results[scenario][variant][-1]['step_s']:.2f} s/step",
@@ -173,6 +307,9 @@ def main(argv: list[str] | None = None) -> int:
                 for run, sync in zip(runs, sync_runs)
             ]
             row["step_over_max_phase"] = statistics.median(ratios)
+            cpu_ratios = [cpu_ratio(run, sync) for run, sync in zip(runs, sync_runs)]
+            if all(ratio is not None for ratio in cpu_ratios):
+                row["cpu_step_over_max_phase"] = statistics.median(cpu_ratios)
             row["speedup_vs_sync"] = statistics.median(
                 sync["step_s"] / run["step_s"] for run, sync in zip(runs, sync_runs)
             )
@@ -197,18 +334,25 @@ def print_table(report: dict) -> None:
             f"{sync['training_s']:.2f} s per step\n"
         )
         print(
-            "| variant | step s | tokens/s | step / max(gen, train) | vs sync | staleness | overlap |"
+            "| variant | step s | tokens/s | step / max(gen, train) | CPU: step / max | vs sync "
+            "| staleness | overlap | update s | sync s | CPU s/step trainer (main+other) "
+            "| CPU s/step engine (server+rewards) |"
         )
-        print("|---|---:|---:|---:|---:|---:|---:|")
+        print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
         for variant, row in rows.items():
-            staleness = row.get("staleness_mean")
-            overlap = row.get("overlap_frac")
             print(
-                f"| {variant} | {row['step_s']:.2f} | {row['tokens_per_s']:.0f} | "
-                f"{row['step_over_max_phase']:.2f} | {row['speedup_vs_sync']:.2f}x | "
-                f"{'-' if staleness is None else f'{staleness:.2f}'} | "
-                f"{'-' if overlap is None else f'{overlap:.2f}'} |"
+                f"| {variant} | {row['step_s']:.3f} | {row['tokens_per_s']:.0f} | "
+                f"{row['step_over_max_phase']:.2f} | {_number(row, 'cpu_step_over_max_phase')} | "
+                f"{row['speedup_vs_sync']:.2f}x | {_number(row, 'staleness_mean')} | "
+                f"{_number(row, 'overlap_frac')} | {_number(row, 'update_s', 3)} | "
+                f"{_number(row, 'weight_sync_s', 3)} | "
+                f"{_number(row, 'cpu_trainer_main_s', 3)}+{_number(row, 'cpu_trainer_threads_s', 3)} | "
+                f"{_number(row, 'cpu_server_s', 3)}+{_number(row, 'cpu_other_s', 3)} |"
             )
+
+
+def _number(row: dict, key: str, digits: int = 2) -> str:
+    return "-" if key not in row else f"{row[key]:.{digits}f}"
 
 
 if __name__ == "__main__":

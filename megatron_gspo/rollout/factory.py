@@ -69,6 +69,9 @@ def build_rollout_engine(
         max_concurrency=rollout.max_concurrency,
     )
     if rollout.engine == "embedded_http":
+        from megatron_gspo.rollout.server import CLIENT_REQUESTS_PER_CALL
+
+        client_options["max_requests_per_call"] = CLIENT_REQUESTS_PER_CALL
         # The loopback server takes weights from disk only (it offers no IPC/NCCL endpoints).
         transport = DiskTransport(os.path.join(work_dir, "weights"), config_json=None)
         if rollout.embedded_server_process:

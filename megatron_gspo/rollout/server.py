@@ -83,6 +83,12 @@ _NEUTRAL_SAMPLING = {
     "logit_bias": None,
 }
 _GREEDY_EPS = 1e-6  # SGLang's _SAMPLING_EPS: temperatures below it mean greedy
+CLIENT_REQUESTS_PER_CALL = 4096
+"""Prompts the client puts in one ``/generate`` call to this server (SGLang's client default:
+32). Concurrent calls here take turns forward by forward under the engine's model lock (no
+continuous batching across calls), so one call per ``generate`` lets the engine form batches of
+``max_batch_size`` as in-process: calls of 32 prompts made twice the forwards and twice the
+generation time of the CPU demo (``benchmarks/async_overlap.py``)."""
 
 
 class BadRequest(ValueError):
@@ -303,6 +309,10 @@ class EmbeddedServer:
 class _Handler(BaseHTTPRequestHandler):
     server_state: EmbeddedServer
     protocol_version = "HTTP/1.1"
+    # An answer leaves in two writes (headers, then body): with Nagle's algorithm the body
+    # waits for the client's delayed ACK of the headers, 40 ms per call on Linux loopback
+    # (pause + load + continue of one weight sync: 0.15 s for a 0.7 MB model).
+    disable_nagle_algorithm = True
 
     def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - stdlib signature
         logger.debug("embedded server %s: " + format, self.address_string(), *args)
