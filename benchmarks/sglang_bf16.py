@@ -14,8 +14,10 @@ three phases samples ``--prompts`` prompts x ``--tokens`` tokens at temperature 
 * ``tensor``: after new weights by the tensor transport (shared memory, inside the bracket).
 
 Each phase reports max / mean over the sampled tokens of |SGLang - transformers| log-prob for
-transformers' bf16 forward (``vs_bf16``: the engine's own precision, what must be small), its
-fp32 forward (``vs_fp32``: the training-inference mismatch a bf16 engine has) and its bf16
+transformers' bf16 forward (``vs_bf16``: the engine's own precision, what must be small), the
+same on the tokens whose experts SGLang (its R3 routes) and transformers' bf16 forward chose alike
+at every layer and every position up to the predicting one (``vs_bf16_same_routes``: bf16 flips
+near-tied routers, and a flipped expert moves a token far more than rounding), its fp32 forward (``vs_fp32``: the training-inference mismatch a bf16 engine has) and its bf16
 forward of the previous phase's weights (``vs_stale``: the scale of a wrong-weights gap), plus
 transformers' own bf16-vs-fp32 gap on the same tokens (``bf16_vs_fp32``: the scale of bf16
 rounding). The kernel path (``amx`` or ``plain-torch``) is SGLang's own ``cpu_has_amx_support()``
