@@ -719,7 +719,11 @@ class TrainConfig:
                 "set algo.old_log_prob_source=rollout (the engine's log-probs: GSPO's ratio "
                 "corrects the staleness) or recompute (a proximal policy, docs/async.md)",
             )
-        if algo.routing_replay == "r3" and self.rollout.engine == "sglang":
+        if (
+            algo.routing_replay == "r3"
+            and self.rollout.engine == "sglang"
+            and not self.rollout.sglang_launch  # launched servers get the flag
+        ):
             _warn(
                 "algo.routing_replay",
                 "r3 with SGLang needs servers started with --enable-return-routed-experts and no "

@@ -431,3 +431,19 @@ def test_sglang_return_routes_asks_sglang_for_routes_without_r3():
     assert cfg.requests_rollout_routes
     cfg.algo.log_routing_change = False
     assert not cfg.requests_rollout_routes
+
+
+@pytest.mark.parametrize("launch,warns", [(False, True), (True, False)])
+def test_r3_with_sglang_warns_only_about_servers_it_does_not_launch(launch, warns):
+    """Listed servers must have been started with --enable-return-routed-experts (a warning);
+    servers the run launches get the flag, so nothing to warn about."""
+    overrides = [
+        "rollout.engine=sglang",
+        "algo.routing_replay=r3",
+        f"rollout.sglang_launch={launch}",
+    ]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        load_config(None, overrides)
+    messages = [str(w.message) for w in caught if issubclass(w.category, ConfigWarning)]
+    assert any("--enable-return-routed-experts" in m for m in messages) == warns, messages
