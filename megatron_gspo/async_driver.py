@@ -33,12 +33,17 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Optional
 
 from megatron_gspo.config import TrainConfig
-from megatron_gspo.driver import RolloutBatch, RolloutDriver, broadcast_samples
+from megatron_gspo.driver import (
+    WEIGHTS_WANTED,
+    RolloutBatch,
+    RolloutDriver,
+    broadcast_samples,
+)
 from megatron_gspo.health import RolloutEngineLost, RunStopped
 from megatron_gspo.metrics import rollout_metrics, staleness_metrics
 from megatron_gspo.production import merge_round_metrics
@@ -180,9 +185,13 @@ class BackgroundProducer:
                 self.error = error
             self.condition.notify_all()
 
-    def take(self, version: int) -> tuple[list[ScoredGroup], float, list[_Chunk]]:
+    def take(
+        self, version: int, resync: Callable[[], None]
+    ) -> tuple[list[ScoredGroup], float, list[_Chunk]]:
         """Block until ``batch_size`` groups fresh enough for weight ``version`` wait; returns
-        them, the seconds waited and the chunks made since the last take."""
+        them, the seconds waited and the chunks made since the last take. ``resync`` sends the
+        trainer's weights, for a restarted server that waits for them (the producer cannot
+        generate until then)."""
         started = time.monotonic()
         with self.condition:
             while True:
@@ -197,6 +206,13 @@ class BackgroundProducer:
                     chunks, self.pending_metrics = self.pending_metrics, []
                     self.condition.notify_all()
                     return batch, time.monotonic() - started, chunks
+                if self.driver.rollout_engine.needs_full_sync and self.in_flight == 0:
+                    self.condition.release()
+                    try:
+                        resync()
+                    finally:
+                        self.condition.acquire()
+                    continue
                 self.condition.wait(timeout=1.0)
 
     def stop(self) -> None:
@@ -218,6 +234,8 @@ class BackgroundProducer:
     # ------------------------------------------------------------------ the producer's side
 
     def _may_start_chunk(self) -> bool:
+        if self.driver.rollout_engine.needs_full_sync:
+            return False  # a restarted server without weights: the trainer's sync comes first
         ahead = len(self.buffer) + self.in_flight
         capacity = (self.engine_version + self.max_staleness + 1 - self.steps_taken) * (
             self.batch_size
@@ -235,7 +253,7 @@ class BackgroundProducer:
             while True:
                 with self.condition:
                     while not self.stopping and not self._may_start_chunk():
-                        self.condition.wait()
+                        self.condition.wait(timeout=1.0)
                     if self.stopping:
                         return
                     chunk_index = self.next_chunk
@@ -287,7 +305,8 @@ class BackgroundProducer:
             stats = self.driver.rollout_engine.recover(self.restart_timeout_s)
         except RolloutEngineError as failure:
             raise self.lost(error, failure) from None
-        if stats is not None:  # a server came back and took the newest weights again
+        if stats is not None or self.driver.rollout_engine.needs_full_sync:
+            # A server came back and took the newest weights again, or waits for the trainer's.
             with self.condition:
                 self.counts["engine_restarts"] += 1
         return stats
@@ -303,10 +322,20 @@ class BackgroundProducer:
 
 
 class AsyncRolloutDriver(RolloutDriver):
-    """Global rank 0 with ``rollout.max_staleness >= 1`` (see the module docstring)."""
+    """Global rank 0 with ``rollout.max_staleness >= 1`` (see the module docstring).
 
-    def __init__(self, cfg: TrainConfig, resources: ExitStack):
+    ``weights`` streams the trainer's current weights (a collective: every rank's driver calls
+    it at the same point); the driver asks for them when a restarted server waits for the
+    trainer's weights and the transport keeps no copy (``tensor``, ``distributed``)."""
+
+    def __init__(
+        self,
+        cfg: TrainConfig,
+        resources: ExitStack,
+        weights: Optional[Callable[[], Iterator[tuple[str, Any]]]] = None,
+    ):
         super().__init__(cfg, resources)
+        self.weights = weights
         self.background = BackgroundProducer(self)
         # Stopped before the rollout engine and the reward workers (the exit stack is LIFO).
         resources.callback(self.background.stop)
@@ -339,7 +368,7 @@ class AsyncRolloutDriver(RolloutDriver):
     def rollout(self, step: int) -> RolloutBatch:
         called = time.monotonic()
         try:
-            groups, waited, chunks = self.background.take(step)
+            groups, waited, chunks = self.background.take(step, lambda: self._resync(step))
         except BaseException as error:
             _broadcast_failure(error)
             raise
@@ -358,6 +387,20 @@ class AsyncRolloutDriver(RolloutDriver):
         }
         metrics.update(self._overlap_metrics(called, returned))
         return RolloutBatch(samples, metrics)
+
+    def _resync(self, version: int) -> None:
+        """Send the trainer's current weights (``version``) to servers that came back without
+        them; every rank takes part (the stream is collective), told so by the broadcast."""
+        if self.weights is None:
+            raise RolloutEngineLost(
+                "a restarted rollout server waits for the trainer's weights, and this driver "
+                "was given no way to ask for them",
+                "the weight transport keeps no copy to send again",
+                "use rollout.weight_transport=disk, or resume from the checkpoint saved now",
+            )
+        logger.warning("sending weight version %d to the restarted rollout servers", version)
+        broadcast_samples(WEIGHTS_WANTED)
+        self.sync_weights(self.weights(), version)
 
     def _overlap_metrics(self, called: float, returned: float) -> dict[str, float]:
         """Overlap of generation with the trainer's work since the last batch: between the
@@ -429,6 +472,10 @@ class AsyncRolloutDriver(RolloutDriver):
                 if self.rollout_engine.weight_version == version:
                     # The transport's copy was this version's: resent, or every server had it.
                     return stats if stats is not None else SyncStats(version, 0, 0, 0.0)
+                if weights is None and self.rollout_engine.needs_full_sync:
+                    # The trainer's next rollout sends its weights (take's resync), or its next
+                    # step's sync does; nothing is generated until then.
+                    return None
                 if weights is None:
                     raise RolloutEngineLost(
                         f"the rollout engine failed during the sync of weight version {version} "

@@ -110,19 +110,36 @@ class Driver(abc.ABC):
         and the prompts served but not yet trained."""
 
 
-def build_driver(cfg: TrainConfig, *, rank: int, resources: ExitStack) -> Driver:
+def build_driver(
+    cfg: TrainConfig,
+    *,
+    rank: int,
+    resources: ExitStack,
+    weights: Optional[Callable[[], Iterator[tuple[str, Any]]]] = None,
+) -> Driver:
     """The driver of global rank ``rank``: on rank 0 the :class:`RolloutDriver`, or with
     ``rollout.max_staleness >= 1`` the asynchronous one (``async_driver.py``). What it starts
     (reward workers, the rollout engine and its servers, log sinks) is registered in
     ``resources`` as soon as it exists, so the run's exit stack stops it on any exit, also when
-    a later piece fails to start."""
+    a later piece fails to start. ``weights`` streams the trainer's current weights (collective;
+    the asynchronous driver asks for them during a rollout when a restarted server waits for
+    them and the weight transport keeps no copy)."""
     if rank != 0:
-        return DriverFollower()
+        return DriverFollower(weights)
     if cfg.rollout.max_staleness:
         from megatron_gspo.async_driver import AsyncRolloutDriver
 
-        return AsyncRolloutDriver(cfg, resources)
+        return AsyncRolloutDriver(cfg, resources, weights)
     return RolloutDriver(cfg, resources)
+
+
+class WeightsWanted:
+    """What rank 0 broadcasts instead of a batch when a restarted rollout server waits for the
+    trainer's weights: every rank streams them (the gather is collective), then the rollout
+    goes on (``async_driver.AsyncRolloutDriver``)."""
+
+
+WEIGHTS_WANTED = WeightsWanted()
 
 
 def broadcast_samples(
@@ -325,11 +342,18 @@ class _DrawnPrompts:
 class DriverFollower(Driver):
     """Every rank but 0: receives the driver's samples and drains the weight stream."""
 
+    def __init__(self, weights: Optional[Callable[[], Iterator[tuple[str, Any]]]] = None):
+        self.weights = weights
+
     def start(self, step: int, data_state: Optional[dict]) -> None:
         pass
 
     def rollout(self, step: int) -> RolloutBatch:
-        return RolloutBatch(broadcast_samples(None))
+        samples = broadcast_samples(None)
+        while isinstance(samples, WeightsWanted):  # rank 0 sends the trainer's weights first
+            self.sync_weights(self.weights(), version=step)
+            samples = broadcast_samples(None)
+        return RolloutBatch(samples)
 
     def mark_trained(self, step: int) -> None:
         pass

@@ -52,7 +52,9 @@ def run(cfg: TrainConfig) -> list[dict]:
     # any exit, newest first: the last step, an exception, Ctrl-C, a guard's stop.
     with ExitStack() as resources:
         engine = resources.enter_context(TrainEngine(cfg, load_weights=initial_weights_loader(cfg)))
-        driver = build_driver(cfg, rank=engine.parallel.rank, resources=resources)
+        driver = build_driver(
+            cfg, rank=engine.parallel.rank, resources=resources, weights=engine.hf_weights
+        )
         advantage_settings = cfg.algo.advantage_settings()
         collapse = CollapseGuard(
             cfg.optim.max_collapsed_steps, vocab_size=cfg.model.vocab_size, lr=cfg.optim.lr

@@ -133,6 +133,7 @@ class SGLangEngine(RolloutEngine):
         self._memory_released = False
         self._restarters = {url.rstrip("/"): restart for url, restart in (restarters or {}).items()}
         self._recover_lock = threading.Lock()
+        self._needs_full_sync = False
 
     @classmethod
     def from_config(
@@ -269,6 +270,11 @@ class SGLangEngine(RolloutEngine):
             raise RolloutEngineError(
                 "generate() after release_memory(): the servers hold no weights until the next "
                 "sync_weights() restores them"
+            )
+        if self._needs_full_sync:
+            raise RolloutEngineError(
+                "generate() before the trainer's weights reached the restarted servers (the "
+                "weight transport keeps no copy): sync_weights() first"
             )
         if any(request.seed is not None for request in requests) and n > 1:
             requests, n = expand_samples(requests, n), 1
@@ -445,15 +451,27 @@ class SGLangEngine(RolloutEngine):
                 if self.weight_transport is not None:
                     stats = self.weight_transport.resend(self)
                 if stats is None:
-                    raise RolloutEngineError(
-                        f"{', '.join(stale)} came back without the trainer's weights (version "
-                        f"{target}), and the "
-                        f"{getattr(self.weight_transport, 'name', 'configured')} weight transport "
-                        "keeps no copy to send again (rollout.weight_transport=disk does)"
+                    # Only the trainer holds the weights (tensor, distributed): the next sync
+                    # sends every server the whole set, over a fresh update group.
+                    if self.weight_transport is not None:
+                        self.weight_transport.reset()
+                    self._needs_full_sync = True
+                    logger.warning(
+                        "rollout servers %s came back without the trainer's weights (version "
+                        "%d) and the %s weight transport keeps no copy: they wait for the "
+                        "trainer's next sync",
+                        stale,
+                        target,
+                        getattr(self.weight_transport, "name", "configured"),
                     )
+                    return None
                 logger.warning("rollout servers %s re-synced to weight version %d", stale, target)
             self._weight_version = target
             return stats
+
+    @property
+    def needs_full_sync(self) -> bool:
+        return self._needs_full_sync
 
     def _answers(self, url: str) -> bool:
         try:
@@ -519,6 +537,7 @@ class SGLangEngine(RolloutEngine):
             self.post_all("/resume_memory_occupation", {"tags": list(MEMORY_TAGS[1:])})
             self._memory_released = False
         self._weight_version = int(version)
+        self._needs_full_sync = False
         return stats
 
     def release_memory(self) -> None:

@@ -74,6 +74,10 @@ class WeightTransport(abc.ABC):
         loaded by every server); None when it keeps none."""
         return None
 
+    def reset(self) -> None:  # noqa: B027 - optional hook
+        """Forget per-server state after a server restarted (its update group): the next
+        :meth:`sync` starts over with every server."""
+
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release process groups or files."""
 
@@ -533,6 +537,7 @@ class DistributedTransport(WeightTransport):
         self.master_port = master_port
         self.engine_world_sizes = list(engine_world_sizes)
         self.group_name = group_name or f"megatron_gspo_weight_sync_{uuid.uuid4().hex[:12]}"
+        self._configured_port = master_port
         self.backend = backend
         self.bucket_bytes = bucket_bytes
         self.timeout_s = timeout_s
@@ -639,6 +644,13 @@ class DistributedTransport(WeightTransport):
             num_bytes += sum(tensor_bytes(t) for _, t in bucket)
             num_buckets += 1
         return SyncStats(version, num_tensors, num_bytes, time.perf_counter() - start, num_buckets)
+
+    def reset(self) -> None:
+        """A restarted server is in no group: destroy the old one (best effort) and form a new
+        one, under a new name, with every server at the next sync."""
+        self.close()
+        self.group_name = f"megatron_gspo_weight_sync_{uuid.uuid4().hex[:12]}"
+        self.master_port = self._configured_port  # 0: a free port again
 
     def close(self) -> None:
         """Destroy the group on the servers (best effort: they may be gone) and here."""

@@ -264,8 +264,18 @@ class RolloutEngine(abc.ABC):
         the servers it launched (or wait for the others to answer again) and load the newest
         weights it was sent into every server that lost them, so that it never serves older
         weights. Returns the stats of the weights sent again (None: none was needed). Raises
-        :class:`RolloutEngineError` when it cannot; an in-process engine cannot die alone."""
+        :class:`RolloutEngineError` when it cannot; an in-process engine cannot die alone.
+
+        A server that came back when the weight transport keeps no copy of the newest weights
+        (``tensor``, ``distributed``) is not an error: :attr:`needs_full_sync` is then set
+        until the next :meth:`sync_weights`, which only the trainer can make."""
         raise RolloutEngineError(f"{type(self).__name__} cannot be restarted")
+
+    @property
+    def needs_full_sync(self) -> bool:
+        """Whether a server came back (:meth:`recover`) without the newest weights and waits for
+        the trainer's: :meth:`generate` refuses until a :meth:`sync_weights` succeeded."""
+        return False
 
     def info(self) -> dict[str, Any]:
         """Static description of the engine (kind, model, versions) for logs."""

@@ -16,6 +16,7 @@ from megatron_gspo.config import TrainConfig, from_dict
 from megatron_gspo.driver import RolloutDriver
 from megatron_gspo.ledger import read_trained_prompts
 from megatron_gspo.rollout.embedded import EmbeddedEngine
+from megatron_gspo.rollout.sglang_weights import DiskTransport
 
 BATCH = 2
 GROUP = 4
@@ -171,3 +172,79 @@ def test_producer_failure_reaches_the_trainer(tmp_path, policies):
         driver.background.fail(RuntimeError("reward workers are gone"))
         with pytest.raises(RuntimeError, match="reward workers are gone"):
             driver.rollout(0)
+
+
+class TransportWithoutACopy(DiskTransport):
+    """The disk transport without its copy of the newest weights: what the tensor and
+    distributed transports keep (nothing), on the loopback server, which takes disk updates
+    only."""
+
+    name = "disk without a copy"
+
+    def resend(self, client):
+        return None
+
+    @property
+    def latest_version(self):
+        return None
+
+
+def teacher_forced_log_probs(model, sample) -> torch.Tensor:
+    """Log-probs of ``sample``'s response tokens under ``model`` (temperature 1)."""
+    with torch.no_grad():
+        logits = model(input_ids=sample.tokens.unsqueeze(0)).logits[0].float()
+    log_probs = torch.log_softmax(logits[sample.prompt_length - 1 : -1], dim=-1)
+    return log_probs.gather(1, sample.tokens[sample.prompt_length :].unsqueeze(1)).squeeze(1)
+
+
+def test_restarted_server_gets_the_trainers_weights_when_the_transport_keeps_none(
+    tmp_path, policies
+):
+    """SIGKILL the loopback server process while it generates and the trainer waits for its
+    batch, with a weight transport that keeps no copy of the newest weights (as tensor and
+    distributed): the producer keeps off the restarted server until the trainer's thread has
+    sent it the current weights (the driver's ``weights``), and the run goes on. Every sample
+    after the restart was sampled by the trainer's version, with that version's log-probs (a
+    server left with its initial weights would report version 0 and other log-probs)."""
+    import signal
+
+    cfg = config(
+        tmp_path,
+        max_staleness=1,
+        engine="embedded_http",
+        embedded_server_process=True,
+        engine_threads=1,
+        max_retries=1,
+    )
+    cfg.algo.response_length = 60
+    cfg.rollout.min_new_tokens = 60  # the kill lands inside the generation
+    trainer = {"version": 2}
+    with ExitStack() as resources:
+        driver = AsyncRolloutDriver(
+            cfg, resources, weights=lambda: iter(policies[trainer["version"]])
+        )
+        engine = driver.rollout_engine
+        engine.weight_transport = TransportWithoutACopy(str(tmp_path / "weights"))
+        engine.retry_backoff_s = 0.05
+        (restart,) = engine._restarters.values()
+        server = restart.__self__  # the EmbeddedServerProcess
+        driver.start(2, None)
+        driver.sync_weights(iter(policies[2]), version=2)
+        wait_until(lambda: driver.background.in_flight > 0)
+        server.process.process.send_signal(signal.SIGKILL)
+        first = driver.rollout(2)  # waits; recovery; the trainer's weights; the batch
+        driver.mark_trained(2)
+        trainer["version"] = 3
+        driver.sync_weights(iter(policies[3]), version=3)
+        second = driver.rollout(3)
+    assert server.restarts == 1 and first.metrics["engine_restarts"] == 1
+    assert first.metrics["requeued_lost"] >= BATCH
+    assert all(sample.weight_version == 2 for sample in first.samples)
+    assert all(sample.weight_version >= 2 for sample in second.samples)
+    models = {k: EmbeddedEngine(TrainConfig().model, seed=100 + k).hf_model for k in (2, 3)}
+    # The first batch was generated while the trainer waited: by version 2 alone. (The second
+    # may continue across the sync of version 3, whose tokens see the old weights' KV cache.)
+    whole = [s for s in second.samples if bool((s.rollout_weight_versions == 3).all())]
+    for sample in first.samples + whole:
+        expected = teacher_forced_log_probs(models[sample.weight_version], sample)
+        torch.testing.assert_close(sample.rollout_log_probs, expected, atol=1e-4, rtol=0)

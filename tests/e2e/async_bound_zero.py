@@ -10,8 +10,10 @@ from megatron_gspo import driver, loop
 from megatron_gspo.async_driver import AsyncRolloutDriver
 
 
-def build_driver(cfg, *, rank: int, resources) -> driver.Driver:
-    return AsyncRolloutDriver(cfg, resources) if rank == 0 else driver.DriverFollower()
+def build_driver(cfg, *, rank: int, resources, weights=None) -> driver.Driver:
+    if rank == 0:
+        return AsyncRolloutDriver(cfg, resources, weights)
+    return driver.DriverFollower(weights)
 
 
 if __name__ == "__main__":

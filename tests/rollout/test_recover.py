@@ -78,14 +78,22 @@ def test_dead_server_process_comes_back_with_the_newest_weights(model_config, tm
         server.stop()
 
 
-def test_transport_without_a_copy_cannot_resend(model_config, tmp_path):
+def test_transport_without_a_copy_waits_for_the_trainers_sync(model_config, tmp_path):
+    """The client synced version 4 through a transport that keeps no copy (a fresh disk
+    transport holds none yet, as tensor and distributed never do); the server (a restart) holds
+    version 0: it must not generate until the trainer's next sync."""
     first = EmbeddedServer(EmbeddedEngine(model_config, seed=1), api_key=API_KEY).start()
     try:
-        # The client synced version 4 through a transport that keeps no copy; the server (a
-        # restart) holds version 0.
-        client = SGLangEngine([first.url], api_key=API_KEY, initial_weight_version=4)
-        with pytest.raises(RolloutEngineError, match="keeps no copy"):
-            client.recover(10)
+        client = _client(model_config, first.url, tmp_path, initial_weight_version=4)
+        assert client.recover(10) is None and client.needs_full_sync
+        with pytest.raises(RolloutEngineError, match="sync_weights\\(\\) first"):
+            client.generate([_request()])
+        donor = EmbeddedEngine(model_config, seed=2)
+        client.sync_weights(donor.hf_state(), version=5)
+        assert not client.needs_full_sync
+        (result,) = client.generate([_request()])
+        assert result.weight_version == 5
+        assert result.output_ids == donor.generate([_request()])[0].output_ids
     finally:
         first.close()
 
