@@ -1,7 +1,9 @@
 """One-process reference runs shared by the end-to-end tests (each costs ~15 s of start-up).
 
 The GSPO reference runs three steps so that the kill-and-resume test can compare two steps
-after a restart; every other comparison uses its first two.
+after a restart; every other comparison uses its first two. It saves a checkpoint after step 2
+(and the final one): the asynchronous driver's bound-0 test compares its weights and optimizer
+state with it (saving changes no metric).
 """
 
 from __future__ import annotations
@@ -14,7 +16,9 @@ from .harness import GRPO, TINY, Launch, run_train
 @pytest.fixture(scope="session")
 def gspo_run(tmp_path_factory) -> Launch:
     """GSPO (the default loss), old log-probs recomputed, in-process embedded rollout engine."""
-    return run_train(tmp_path_factory.mktemp("gspo") / "out", ["steps=3", *TINY])
+    return run_train(
+        tmp_path_factory.mktemp("gspo") / "out", ["steps=3", *TINY, "checkpoint.interval=2"]
+    )
 
 
 @pytest.fixture(scope="session")

@@ -82,24 +82,24 @@ def server_processes(launch) -> list[psutil.Process]:
     return found
 
 
-def test_bound_zero_is_the_synchronous_loop_bit_for_bit(tmp_path):
+def test_bound_zero_is_the_synchronous_loop_bit_for_bit(gspo_run, tmp_path):
     """The asynchronous driver at max_staleness 0 (its producer thread generates each batch after
-    the step's weight sync) gives the synchronous run's metrics and final weights and optimizer
-    state, bit for bit."""
+    the step's weight sync) gives the synchronous run's metrics and weights and optimizer state
+    after two steps, bit for bit (the synchronous run: the shared GSPO reference, which saves
+    step 2)."""
     overrides = ["steps=2", *TINY, "checkpoint.interval=2", "rollout.max_staleness=0"]
-    synchronous = run_train(tmp_path / "sync", overrides)
     output_dir = tmp_path / "async"
     worker = [sys.executable, str(Path(__file__).with_name("async_bound_zero.py"))]
     launch = start([*worker, *overrides, f"output_dir={output_dir}"], output_dir)
     assert launch.wait(timeout=240) == 0, tail(launch.log)
-    reference, records = synchronous.metrics(), launch.metrics()
+    reference, records = gspo_run.metrics()[:2], launch.metrics()
     assert "staleness_max" in records[0] and "staleness_max" not in reference[0]
     assert len(records) == len(reference) == 2
     for want, got in zip(reference, records):
         assert_records_equal(want, got)
-    assert read_trained_prompts(output_dir) == read_trained_prompts(tmp_path / "sync")
+    assert read_trained_prompts(output_dir) == read_trained_prompts(gspo_run.output_dir)[:2]
     assert_same_checkpoint_tensors(
-        tmp_path / "sync" / "checkpoints" / "step_000002",
+        gspo_run.output_dir / "checkpoints" / "step_000002",
         output_dir / "checkpoints" / "step_000002",
     )
 
@@ -120,23 +120,26 @@ def test_killed_server_is_restarted_and_resynced(tmp_path):
     weights before it serves again, generates the lost requests again and finishes."""
     output_dir = tmp_path / "out"
     overrides = [
-        "steps=6",
+        "steps=4",
         *TINY,
         *SERVER_PROCESS,
         "rollout.max_staleness=1",
-        "checkpoint.interval=6",
+        "rollout.max_retries=1",  # the dead server is noticed after one retry
+        "checkpoint.interval=4",
         f"output_dir={output_dir}",
     ]
     launch = start(train_command(overrides), output_dir)
     try:
-        wait_for_step([launch], output_dir, 1, timeout=240)
+        # After step 0: the producer may run a step ahead, and the sync after the next step
+        # still needs the server, so a later step's record counts the restart.
+        wait_for_step([launch], output_dir, 0, timeout=240)
         (server,) = server_processes(launch)
         server.send_signal(signal.SIGKILL)
         assert launch.wait(timeout=300) == 0, tail(launch.log)
     finally:
         launch.kill()
     records = read_metrics(output_dir)
-    assert_required_metrics(records, steps=6)
+    assert_required_metrics(records, steps=4)
     assert all(name in records[0] for name in ASYNC_METRICS)
     assert "overlap_frac" in records[1] and "engine_idle_s" in records[1]
     assert records[-1]["engine_restarts"] >= 1, tail(launch.log)
@@ -146,7 +149,7 @@ def test_killed_server_is_restarted_and_resynced(tmp_path):
     for record in records:
         assert record["staleness_max"] <= 1 and record["requeued_stale"] == 0, record
         assert record["rollout_log_prob_abs_diff"] < 0.5, record
-    assert_exactly_once(output_dir, steps=6)
+    assert_exactly_once(output_dir, steps=4)
 
 
 def test_engine_that_cannot_come_back_stops_with_a_checkpoint(tmp_path):
@@ -157,14 +160,15 @@ def test_engine_that_cannot_come_back_stops_with_a_checkpoint(tmp_path):
         *TINY,
         *SERVER_PROCESS,
         "rollout.max_staleness=1",
-        "checkpoint.interval=6",
+        "rollout.max_retries=1",  # the dead server is given up on after one retry
+        "checkpoint.interval=4",
         f"output_dir={output_dir}",
     ]
     launch = start(
-        train_command(["steps=6", *overrides, "rollout.engine_restart_timeout_s=0"]), output_dir
+        train_command(["steps=4", *overrides, "rollout.engine_restart_timeout_s=0"]), output_dir
     )
     try:
-        wait_for_step([launch], output_dir, 1, timeout=240)
+        wait_for_step([launch], output_dir, 0, timeout=240)  # steps 1-3 need the server
         (server,) = server_processes(launch)
         server.send_signal(signal.SIGKILL)
         returncode = launch.wait(timeout=300)
@@ -175,10 +179,10 @@ def test_engine_that_cannot_come_back_stops_with_a_checkpoint(tmp_path):
     assert "Traceback" not in launch.log, tail(launch.log)
     saved = re.search(r"saved \S+step_0*(\d+) before stopping", launch.log)
     assert saved, tail(launch.log)
-    resumed = run_train(output_dir, ["steps=6", *overrides, "resume=true"], timeout=300)
+    resumed = run_train(output_dir, ["steps=4", *overrides, "resume=true"], timeout=300)
     assert f"resuming from {output_dir / 'checkpoints'}" in resumed.log
-    assert_required_metrics(resumed.metrics(), steps=6)
-    assert_exactly_once(output_dir, steps=6)
+    assert_required_metrics(resumed.metrics(), steps=4)
+    assert_exactly_once(output_dir, steps=4)
 
 
 def test_every_prompt_trained_once_across_sigkills(tmp_path):
@@ -186,7 +190,7 @@ def test_every_prompt_trained_once_across_sigkills(tmp_path):
     (generating, updating, saving), resuming each time: the final record trains every prompt
     the stream served once, none twice, none lost."""
     output_dir = tmp_path / "out"
-    steps = 12
+    steps = 8
     overrides = [
         f"steps={steps}",
         *TINY,
