@@ -31,9 +31,10 @@ HEADER = """\
 # Configuration reference
 
 Every key of the configuration tree, its type, its default and what it means. This page is
-generated from `megatron_gspo/config.py` (and the sections it imports, `config_model.py` and
-`config_algo.py`) by `python tools/config_docs.py` (a test fails when they differ): the defaults
-live only there, each with its source where it comes from a paper or a peer framework.
+generated from `megatron_gspo/config.py` (and the sections it imports, `config_model.py`,
+`config_algo.py` and `config_rollout.py`) by `python tools/config_docs.py` (a test fails when
+they differ): the defaults live only there, each with its source where it comes from a paper or
+a peer framework.
 
 Set keys on the command line with Hydra's grammar (`algo.clip_low=3e-4`, `parallel.tp=2`,
 `'reward.functions=[math,format]'`, `null` for None) or in a preset YAML
