@@ -30,12 +30,20 @@ def reduce_loss_metrics(outputs: list[dict], parallel: ParallelState) -> dict[st
         # Minima travel negated, so that one MAX all-reduce serves both.
         minima = [n for n in names if n.endswith("_min")]
         device = parallel.device
-        sum_vector = torch.stack([torch.stack([out[n] for out in outputs]).sum() for n in sums]).to(
-            device, torch.float64
-        )
-        extremes = [torch.stack([out[n] for out in outputs]).max() for n in maxima] + [
-            -torch.stack([out[n] for out in outputs]).min() for n in minima
-        ]
+        if len(outputs) == 1:
+            # One micro-batch: its values are their own maximum and minimum, and their own sum
+            # once ``+ 0.0`` (a sum starts from +0: -0.0 comes out +0.0): one operation for all
+            # sums instead of two per metric (~40 per optimizer step), the same numbers.
+            (only,) = outputs
+            sum_vector = (torch.stack([only[n] for n in sums]) + 0.0).to(device, torch.float64)
+            extremes = [only[n] for n in maxima] + [-only[n] for n in minima]
+        else:
+            sum_vector = torch.stack(
+                [torch.stack([out[n] for out in outputs]).sum() for n in sums]
+            ).to(device, torch.float64)
+            extremes = [torch.stack([out[n] for out in outputs]).max() for n in maxima] + [
+                -torch.stack([out[n] for out in outputs]).min() for n in minima
+            ]
         max_vector = (
             torch.stack(extremes).to(device, torch.float64)
             if extremes

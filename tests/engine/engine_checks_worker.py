@@ -166,6 +166,42 @@ def check_auto_dispatcher_is_allgather_alone_and_exact() -> None:
     assert all(torch.equal(auto_state[name], a2a_state[name]) for name in a2a_state)
 
 
+def check_one_micro_batch_metrics_reduce_like_several() -> None:
+    """``reduce_loss_metrics`` of one micro-batch (its shortcut) equals the general reduction of
+    that micro-batch and a neutral one (+0 sums, -inf maxima, +inf minima), signed zeros and
+    NaN included."""
+    from megatron_gspo.engine.step_metrics import reduce_loss_metrics
+
+    parallel = _engine().parallel
+    values = {
+        "negative_zero": -0.0,
+        "plain": 2.5,
+        "not_a_number": float("nan"),
+        "ratio_max": -0.0,
+        "ratio_min": 0.0,
+        "gap_max": 3.0,
+        "gap_min": float("nan"),
+    }
+    only = {name: torch.tensor(value) for name, value in values.items()}
+    neutral = {
+        name: torch.tensor(
+            float("-inf")
+            if name.endswith("_max")
+            else float("inf")
+            if name.endswith("_min")
+            else 0.0
+        )
+        for name in values
+    }
+    alone = reduce_loss_metrics([only], parallel)
+    general = reduce_loss_metrics([only, neutral], parallel)
+    assert {k: repr(v) for k, v in alone.items()} == {k: repr(v) for k, v in general.items()}, (
+        alone,
+        general,
+    )
+    assert repr(alone["negative_zero"]) == "0.0", alone  # a sum, as the general path gives
+
+
 def check_routing_replay_is_settable() -> None:
     from megatron.core.transformer.moe.router_replay import RouterReplay
 

@@ -7,6 +7,7 @@
 * learning-rate warm-up; ``fixed_lr`` (the cold start's own lr) overrides the schedule; the load-balancing loss reaches the router;
 * ``moe_enable_routing_replay`` is set on the policy (one RouterReplay per MoE layer);
 * on one process the ``auto`` MoE token dispatcher is allgather, bit-identical to alltoall;
+* the metric reduction's one-micro-batch shortcut gives the general reduction's numbers;
 * the KL reference model is a frozen copy; malformed samples are rejected by index and field.
 """
 
@@ -27,6 +28,7 @@ CHECKS = [
     "fixed_lr_overrides_the_schedule_inside_its_block",
     "load_balancing_loss_reaches_the_router",
     "auto_dispatcher_is_allgather_alone_and_exact",
+    "one_micro_batch_metrics_reduce_like_several",
     "routing_replay_is_settable",
     "reference_model_is_frozen_copy",
     "bad_samples_are_rejected_with_the_field_named",
