@@ -46,16 +46,32 @@ def describe(processes: list[psutil.Process]) -> str:
     return "\n".join(lines)
 
 
+def command_line(process: psutil.Process) -> str:
+    """Its command line; empty for a child that exited meanwhile (a zombie until reaped: a
+    checkpoint save's short-lived helper)."""
+    try:
+        return " ".join(process.cmdline())
+    except psutil.NoSuchProcess:
+        return ""
+
+
 def test_sigkilled_trainer_leaves_no_child(tmp_path):
     output_dir = tmp_path / "out"
     overrides = ["steps=50", *TINY, "checkpoint.interval=1", f"output_dir={output_dir}"]
     launch = start(train_command(overrides), output_dir)
     try:
-        # Step 0's checkpoint (which starts the writer's queue manager) precedes step 1's line.
-        wait_for_step([launch], output_dir, 1, timeout=240)
+        # Step 0's checkpoint starts the writer's queue manager. A step's line comes before its
+        # checkpoint: kill once step 0's checkpoint is published, while step 1 trains (as before
+        # the order changed; a kill in the middle of a save is the SIGKILL test's).
+        wait_for_step([launch], output_dir, 0, timeout=240)
+        latest = output_dir / "checkpoints" / "latest"
+        deadline = time.monotonic() + 120
+        while not latest.exists():
+            assert time.monotonic() < deadline and launch.process.poll() is None, "no checkpoint"
+            time.sleep(0.01)
         trainer = psutil.Process(launch.process.pid)
         children = trainer.children(recursive=True)
-        commands = " ".join(" ".join(child.cmdline()) for child in children)
+        commands = " ".join(command_line(child) for child in children)
         assert "megatron_gspo.reward.worker" in commands, describe(children)
         assert "multiprocessing" in commands, describe(children)  # the writer's queue manager
         trainer.send_signal(signal.SIGKILL)
