@@ -13,7 +13,12 @@ parent dies:
   :mod:`megatron_gspo.engine.checkpoint` starts it itself, with :func:`die_with_parent` as the
   manager's initializer;
 - reward workers: a watchdog thread that exits when the worker is re-parented
-  (:mod:`megatron_gspo.reward.worker` says why not ``PR_SET_PDEATHSIG`` there).
+  (:mod:`megatron_gspo.reward.worker` says why not ``PR_SET_PDEATHSIG`` there);
+- Megatron's checkpoint writers: ``dist_checkpointing`` forks short-lived writer processes in
+  the middle of a save; :func:`forks_die_with_parent` around the save has every process forked
+  by the main thread meanwhile ask for SIGKILL when the trainer dies (else a writer forked just
+  before a SIGKILL finishes its part of a checkpoint nobody will read, seconds later on a busy
+  machine).
 
 ``PR_SET_PDEATHSIG`` fires when the *thread* that started the child ends, not the process: start
 such children from the main thread (the trainer does), never from a short-lived thread. It is a
@@ -22,11 +27,14 @@ Linux feature; elsewhere these functions only check that the parent is still ali
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import signal
 import sys
-from collections.abc import Sequence
+import threading
+from collections.abc import Iterator, Sequence
+from typing import Optional
 
 PR_SET_PDEATHSIG = 1
 """``prctl`` option (linux/prctl.h): the signal the kernel sends when the parent thread dies."""
@@ -65,3 +73,40 @@ def command_dying_with_parent(command: Sequence[str]) -> list[str]:
     starts it (this one) dies. The wrapper ``exec``\\ s ``command``: same pid, same process, no
     extra process in the tree."""
     return [sys.executable, "-c", _EXEC_SHIM, str(os.getpid()), *command]
+
+
+class _ForkGuard:
+    """State of :func:`forks_die_with_parent`: how many blocks are open, and the pid of the
+    process whose main thread is forking (set by the before-fork hook, None otherwise)."""
+
+    depth = 0
+    forking_parent: Optional[int] = None
+    hooks_registered = False
+
+    @classmethod
+    def before_fork(cls) -> None:
+        main = threading.current_thread() is threading.main_thread()
+        cls.forking_parent = os.getpid() if cls.depth and main else None
+
+    @classmethod
+    def after_fork_in_child(cls) -> None:
+        parent, cls.depth, cls.forking_parent = cls.forking_parent, 0, None
+        if parent is not None:
+            die_with_parent(parent)
+
+
+@contextlib.contextmanager
+def forks_die_with_parent() -> Iterator[None]:
+    """Within the block, a process that the main thread forks (``os.fork``, ``multiprocessing``'s
+    fork context; not ``subprocess``, which execs) is SIGKILLed when this process dies. Only the
+    main thread's forks: ``PR_SET_PDEATHSIG`` fires when the forking *thread* ends."""
+    if not _ForkGuard.hooks_registered:
+        os.register_at_fork(
+            before=_ForkGuard.before_fork, after_in_child=_ForkGuard.after_fork_in_child
+        )
+        _ForkGuard.hooks_registered = True
+    _ForkGuard.depth += 1
+    try:
+        yield
+    finally:
+        _ForkGuard.depth -= 1

@@ -50,7 +50,7 @@ from megatron_gspo.engine.optimizer_state import (
     optimizer_load_request,
     optimizer_sharded_state,
 )
-from megatron_gspo.lifetime import die_with_parent
+from megatron_gspo.lifetime import die_with_parent, forks_die_with_parent
 
 logger = logging.getLogger(__name__)
 
@@ -332,7 +332,8 @@ def save_checkpoint(
     if optimizer_tensors:  # an empty dict would land in the common (rank-0) state
         sharded["optimizer"] = optimizer_tensors
     _start_writer_result_queue()
-    dist_checkpointing.save(sharded, temporary, validate_access_integrity=True)
+    with forks_die_with_parent():  # the writers it forks mid-save end with a SIGKILLed trainer
+        dist_checkpointing.save(sharded, temporary, validate_access_integrity=True)
     metadata = {
         "format": FORMAT,
         "step": step,
