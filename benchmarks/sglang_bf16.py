@@ -47,6 +47,7 @@ from megatron_gspo.convert.hf_config import hf_config_from_model_config
 from megatron_gspo.rollout.auth import new_api_key
 from megatron_gspo.rollout.embedded import EmbeddedEngine
 from megatron_gspo.rollout.hf_model import RouteRecorder
+from megatron_gspo.rollout.sglang_broadcast import free_port
 from megatron_gspo.rollout.sglang_client import SGLangEngine
 from megatron_gspo.rollout.sglang_cpu import (
     CpuKernelPath,
@@ -56,12 +57,7 @@ from megatron_gspo.rollout.sglang_cpu import (
 )
 from megatron_gspo.rollout.sglang_launcher import SGLangServerProcess, build_launch_command
 from megatron_gspo.rollout.sglang_protocol import RouteLayout
-from megatron_gspo.rollout.sglang_weights import (
-    DiskTransport,
-    TensorTransport,
-    free_port,
-    write_hf_checkpoint,
-)
+from megatron_gspo.rollout.sglang_weights import DiskTransport, TensorTransport, write_hf_checkpoint
 from megatron_gspo.rollout.types import GenerateRequest, sync_weights_paused
 
 VENV_ENV = "MEGATRON_GSPO_SGLANG_VENV"

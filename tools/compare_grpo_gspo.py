@@ -510,7 +510,7 @@ def main(argv: list[str] | None = None) -> int:
             continue
         port = 0
         if sglang is not None:
-            from megatron_gspo.rollout.sglang_weights import free_port
+            from megatron_gspo.rollout.sglang_broadcast import free_port
 
             port = free_port("127.0.0.1")
         command = run_command(args, variant, overrides, sglang, port)

@@ -31,9 +31,10 @@ import transformers
 from megatron_gspo.convert.hf_config import hf_config_from_model_config
 from megatron_gspo.rollout.embedded import EmbeddedEngine
 from megatron_gspo.rollout.hf_model import RouteRecorder
+from megatron_gspo.rollout.sglang_broadcast import free_port
 from megatron_gspo.rollout.sglang_client import SGLangEngine
 from megatron_gspo.rollout.sglang_protocol import RouteLayout
-from megatron_gspo.rollout.sglang_weights import DiskTransport, free_port, write_hf_checkpoint
+from megatron_gspo.rollout.sglang_weights import DiskTransport, write_hf_checkpoint
 from megatron_gspo.rollout.types import GenerateRequest, sync_weights_paused
 
 from .server import SKIP_REASON, export_model, server_model_config, sglang_python, start_server

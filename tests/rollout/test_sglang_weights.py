@@ -11,13 +11,15 @@ import transformers
 
 from megatron_gspo.config import RolloutConfig
 from megatron_gspo.rollout.embedded import EmbeddedEngine
-from megatron_gspo.rollout.sglang_weights import (
-    DiskTransport,
+from megatron_gspo.rollout.sglang_broadcast import (
     DistributedTransport,
     distributed_update_payload,
     init_group_payloads,
-    iter_buckets,
     local_address_towards,
+)
+from megatron_gspo.rollout.sglang_weights import (
+    DiskTransport,
+    iter_buckets,
     serialize_flattened_bucket,
     tensor_update_payload,
     transport_from_config,
