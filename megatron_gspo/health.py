@@ -18,9 +18,11 @@ do; ``python -m megatron_gspo.train`` prints it without a traceback and exits wi
 
 from __future__ import annotations
 
+import contextlib
 import math
 import signal
-from collections.abc import Mapping
+import threading
+from collections.abc import Iterator, Mapping
 
 EXIT_CODE = 3
 """Exit status of a run that a guard stopped (0: finished, 1: crashed, 2: configuration error,
@@ -122,6 +124,28 @@ def catch_interrupts() -> None:
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGINT, interrupt)
+
+
+@contextlib.contextmanager
+def interrupts_deferred() -> Iterator[None]:
+    """Ctrl-C inside the block is recorded, not raised, and raised when the block ends (main
+    thread; elsewhere nothing changes). For a checkpoint save: it runs to its end, so the resume
+    hint points at a whole checkpoint, and Megatron's writers fork inside it, where a
+    ``KeyboardInterrupt`` raised in a fork handler is printed as a traceback and dropped."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def record(signal_number: int, frame: object) -> None:
+        global _interrupted
+        _interrupted = True
+
+    previous = signal.signal(signal.SIGINT, record)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    raise_if_interrupted()
 
 
 def raise_if_interrupted() -> None:

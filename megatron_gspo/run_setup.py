@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any, Optional
 from megatron_gspo.algo import RunningMoments
 from megatron_gspo.checkpoint_files import checkpoint_root, step_directory
 from megatron_gspo.config import TrainConfig
+from megatron_gspo.health import interrupts_deferred
 
 if TYPE_CHECKING:
     from megatron_gspo.engine.model import PolicyModel
@@ -76,13 +77,14 @@ def save_checkpoint(engine: TrainEngine, cfg: TrainConfig, run_state: dict) -> s
     """Collective: a checkpoint of step ``run_state["step"]`` (see ``engine/checkpoint.py``)."""
     from megatron_gspo.engine.checkpoint import save_checkpoint as save
 
-    return save(
-        engine,
-        checkpoint_root(cfg.output_dir),
-        run_state["step"],
-        run_state,
-        keep_last=cfg.checkpoint.keep_last,
-    )
+    with interrupts_deferred():  # a Ctrl-C meanwhile stops the run after the save, not inside it
+        return save(
+            engine,
+            checkpoint_root(cfg.output_dir),
+            run_state["step"],
+            run_state,
+            keep_last=cfg.checkpoint.keep_last,
+        )
 
 
 def save_checkpoint_unless_saved(engine: TrainEngine, cfg: TrainConfig, run_state: dict) -> None:

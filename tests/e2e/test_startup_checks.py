@@ -84,3 +84,29 @@ def test_ctrl_c_dropped_inside_a_finalizer_is_raised_at_the_next_check():
     finally:
         signal.signal(signal.SIGINT, previous)
         health._interrupted = False
+
+
+def test_ctrl_c_during_a_checkpoint_save_waits_for_its_end():
+    """Inside ``interrupts_deferred`` (the checkpoint save) Ctrl-C is recorded, the block runs to
+    its end, and KeyboardInterrupt comes when it ends; outside it Ctrl-C raises at once again."""
+    import os
+    import signal
+
+    from megatron_gspo import health
+
+    previous = signal.getsignal(signal.SIGINT)
+    finished = False
+    try:
+        health.catch_interrupts()
+        with pytest.raises(KeyboardInterrupt), health.interrupts_deferred():
+            os.kill(os.getpid(), signal.SIGINT)
+            sum(range(1000))  # the handler runs here: it must not raise
+            finished = True
+        assert finished
+        with pytest.raises(KeyboardInterrupt):
+            health._interrupted = False
+            os.kill(os.getpid(), signal.SIGINT)
+            sum(range(1000))
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        health._interrupted = False
