@@ -8,6 +8,7 @@ a single-process HF model).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, Optional
 
 import torch
@@ -121,3 +122,14 @@ class RouteRecorder:
             routes.append(records[0].reshape(batch_size, seq_len, -1))
             records.clear()
         return routes
+
+
+def forward_with_routes(hf_model: Any, tokens: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """One teacher-forced forward of ``tokens`` (length S): float32 logits ``[S, V]`` and the
+    routers' top-k ids ``[S, moe_layers, K]``, the reference that engines' log-probs and R3
+    routes are checked against (SGLang's R3 layout for prompt + response tokens is this forward
+    over all tokens but the last)."""
+    with RouteRecorder(hf_model) as recorder, torch.no_grad():
+        logits = hf_model(torch.tensor([list(tokens)])).logits[0].float()
+        routes = torch.stack(recorder.pop(1, len(tokens)), dim=2)[0]
+    return logits, routes

@@ -30,7 +30,7 @@ import transformers
 
 from megatron_gspo.convert.hf_config import hf_config_from_model_config
 from megatron_gspo.rollout.embedded import EmbeddedEngine
-from megatron_gspo.rollout.hf_model import RouteRecorder
+from megatron_gspo.rollout.hf_model import forward_with_routes
 from megatron_gspo.rollout.sglang_broadcast import free_port
 from megatron_gspo.rollout.sglang_client import SGLangEngine
 from megatron_gspo.rollout.sglang_protocol import RouteLayout
@@ -87,9 +87,7 @@ def reference_log_probs(model, prompt, output):
     """transformers' log-probs of ``output`` (log-softmax in float32) and the forward's routes
     ``[prompt + output - 1, layers, top-k]`` (SGLang's R3 layout)."""
     tokens = list(prompt) + list(output)
-    with RouteRecorder(model) as recorder, torch.no_grad():
-        logits = model(torch.tensor([tokens[:-1]])).logits[0].float()
-        routes = torch.stack(recorder.pop(1, len(tokens) - 1), dim=2)[0]
+    logits, routes = forward_with_routes(model, tokens[:-1])
     table = torch.log_softmax(logits, dim=-1)
     rows = torch.arange(len(prompt) - 1, len(tokens) - 1)
     return table[rows, torch.tensor(output)].double(), routes

@@ -19,7 +19,7 @@ from envs.scripted import ScriptedEnvironment
 
 from megatron_gspo.driver import Task
 from megatron_gspo.envs import EnvironmentProducer
-from megatron_gspo.rollout.hf_model import RouteRecorder
+from megatron_gspo.rollout.hf_model import forward_with_routes
 from megatron_gspo.rollout.sglang_client import SGLangEngine
 from megatron_gspo.rollout.sglang_protocol import RouteLayout
 
@@ -79,8 +79,6 @@ def test_routes_cover_every_token_of_the_trajectory(episodes, reference, sglang_
         tokens = sample.tokens.tolist()
         routes = sample.rollout_routes
         assert routes.shape == (len(tokens) - 1, len(layout.moe_layer_indices), layout.top_k)
-        with RouteRecorder(reference) as recorder, torch.no_grad():
-            reference(torch.tensor([tokens[:-1]]))
-            expected = torch.stack(recorder.pop(1, len(tokens) - 1), dim=2)[0]
+        _, expected = forward_with_routes(reference, tokens[:-1])
         got = np.sort(routes.numpy().astype(np.int64), axis=-1)
         assert np.array_equal(got, np.sort(expected.numpy(), axis=-1))

@@ -10,7 +10,7 @@ import torch
 from megatron_gspo.config import ConfigError, RolloutConfig
 from megatron_gspo.rollout.embedded import EmbeddedEngine
 from megatron_gspo.rollout.factory import build_rollout_engine
-from megatron_gspo.rollout.hf_model import RouteRecorder
+from megatron_gspo.rollout.hf_model import forward_with_routes
 from megatron_gspo.rollout.types import GenerateRequest, sync_weights_paused
 from tests.rollout.conftest import tiny_model_config
 
@@ -117,9 +117,7 @@ def test_bfloat16_log_probs_and_routes_really_differ_from_float32(engines):
         positions = torch.arange(start, start + result.response_length)
         routes = {}
         for name, engine in (("bf16", bf16), ("fp32", fp32)):
-            with RouteRecorder(engine.hf_model) as recorder, torch.no_grad():
-                logits = engine.hf_model(input_ids=tokens).logits[0].float()
-                routes[name] = torch.stack(recorder.pop(1, tokens.shape[1]), dim=2)[0]
+            logits, routes[name] = forward_with_routes(engine.hf_model, tokens[0].tolist())
             if name == "fp32":
                 exact = torch.log_softmax(logits, -1)[positions, tokens[0, start + 1 :]]
         gaps.append((torch.as_tensor(result.output_log_probs) - exact).abs())
