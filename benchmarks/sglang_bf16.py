@@ -50,17 +50,19 @@ from megatron_gspo.rollout.hf_model import forward_with_routes
 from megatron_gspo.rollout.sglang_broadcast import free_port
 from megatron_gspo.rollout.sglang_client import SGLangEngine
 from megatron_gspo.rollout.sglang_cpu import (
+    SGLANG_VENV_ENV,
     CpuKernelPath,
     cpu_server_args,
     cpu_server_env,
     probe_cpu_kernel_path,
+    venv_python,
 )
 from megatron_gspo.rollout.sglang_launcher import SGLangServerProcess, build_launch_command
 from megatron_gspo.rollout.sglang_protocol import RouteLayout
 from megatron_gspo.rollout.sglang_weights import DiskTransport, TensorTransport, write_hf_checkpoint
 from megatron_gspo.rollout.types import GenerateRequest, sync_weights_paused
 
-VENV_ENV = "MEGATRON_GSPO_SGLANG_VENV"
+VENV_ENV = SGLANG_VENV_ENV
 PROMPTS = [[1, 2, 3], [7, 7, 1, 0, 5], [4], [9, 8, 7, 6, 5, 4, 3], [3, 3], [0, 1, 2, 3, 4, 5]]
 PHASES = (("startup", None, 0), ("disk", "disk", 1), ("tensor", "tensor", 2))
 """(phase, transport, weight seed): seed 0 is the exported start-up checkpoint."""
@@ -91,7 +93,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if not args.sglang_venv:
         parser.error(f"give --sglang-venv or set {VENV_ENV}")
-    if not (Path(args.sglang_venv) / "bin" / "python").exists():
+    if not venv_python(args.sglang_venv).exists():
         parser.error(f"{args.sglang_venv} has no bin/python")
     if not 1 <= args.prompts <= len(PROMPTS):
         parser.error(f"--prompts must be in [1, {len(PROMPTS)}]")
@@ -271,7 +273,7 @@ def table(report: dict) -> str:
 
 def main(argv: Optional[list[str]] = None) -> int:
     args = parse_args(argv)
-    python = str(Path(args.sglang_venv) / "bin" / "python")
+    python = str(venv_python(args.sglang_venv))
     torch.manual_seed(0)
     path: CpuKernelPath = probe_cpu_kernel_path(python, "bfloat16")
     with tempfile.TemporaryDirectory(prefix="sglang_bf16_") as scratch:

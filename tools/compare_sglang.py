@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 SGLANG_VENV_ENV = "MEGATRON_GSPO_SGLANG_VENV"
+"""``megatron_gspo.rollout.sglang_cpu.SGLANG_VENV_ENV``, spelled out so that ``--help`` imports
+neither the package nor torch (tests/tools/test_compare_grpo_gspo.py checks they agree)."""
 SGLANG_DTYPE = "bfloat16"
 QUICK_SGLANG = ["model.moe_ffn_hidden_size=64"]
 """The CPU demo's expert size 48 is not a multiple of 32: on SGLang's AMX path its bracketed weight
@@ -107,8 +109,10 @@ def prepare_sglang(
             f"overrides set {', '.join(clashing)}, which --rollout-engine sglang sets for every "
             "variant (a bf16 SGLang server launched per run from --sglang-python); drop them"
         )
+    from megatron_gspo.rollout.sglang_cpu import venv_python
+
     venv = os.environ.get(SGLANG_VENV_ENV)
-    python = args.sglang_python or (str(Path(venv) / "bin" / "python") if venv else sys.executable)
+    python = args.sglang_python or (str(venv_python(venv)) if venv else sys.executable)
     from megatron_gspo.preflight import sglang_unavailable
 
     missing = sglang_unavailable(python)

@@ -23,7 +23,19 @@ import json
 import os
 import subprocess
 from dataclasses import dataclass
-from typing import Any
+from pathlib import Path
+from typing import Any, Union
+
+SGLANG_VENV_ENV = "MEGATRON_GSPO_SGLANG_VENV"
+"""Environment variable naming SGLang's own virtual environment (the CPU kit's ``setup.sh VENV``
+builds one; ``.ci/run`` sets it): the real-server tests, ``benchmarks/sglang_bf16.py`` and the
+compare tool's SGLang mode find SGLang through it."""
+
+
+def venv_python(venv: Union[str, os.PathLike]) -> Path:
+    """The interpreter of the virtual environment ``venv``."""
+    return Path(venv) / "bin" / "python"
+
 
 CPU_SERVER_ARGS = (
     "--device",

@@ -27,10 +27,15 @@ import requests
 
 from megatron_gspo.config import ModelConfig
 from megatron_gspo.rollout.auth import new_api_key
-from megatron_gspo.rollout.sglang_cpu import cpu_server_args, cpu_server_env
+from megatron_gspo.rollout.sglang_cpu import (
+    SGLANG_VENV_ENV,
+    cpu_server_args,
+    cpu_server_env,
+    venv_python,
+)
 from megatron_gspo.rollout.sglang_launcher import SGLangServerProcess, build_launch_command
 
-VENV_ENV = "MEGATRON_GSPO_SGLANG_VENV"
+VENV_ENV = SGLANG_VENV_ENV
 SGLANG_VERSION = "0.5.23"
 SKIP_REASON = (
     f"real SGLang server tests: set {VENV_ENV} to a virtual environment with SGLang "
@@ -51,7 +56,7 @@ def sglang_python() -> Optional[str]:
     venv = os.environ.get(VENV_ENV)
     if not venv:
         return None
-    python = Path(venv) / "bin" / "python"
+    python = venv_python(venv)
     if not python.exists():
         raise FileNotFoundError(f"{VENV_ENV}={venv} has no bin/python; rebuild it ({SKIP_REASON})")
     return str(python)

@@ -210,3 +210,11 @@ def test_sglang_mode_refuses_impossible_combinations(tmp_path):
         text=True,
     )
     assert result.returncode == 2 and "without --rollout-engine sglang" in result.stderr
+
+
+def test_sglang_venv_variable_is_the_packages():
+    """The tool spells the variable out (its --help imports no torch); it must be the one the
+    package, tests and benchmark use."""
+    from megatron_gspo.rollout.sglang_cpu import SGLANG_VENV_ENV
+
+    assert load_tool().SGLANG_VENV_ENV == SGLANG_VENV_ENV
