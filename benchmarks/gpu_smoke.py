@@ -192,8 +192,8 @@ def main(argv: list[str] | None = None) -> int:
         f"output_dir={output_dir}",
         *args.overrides,
     ]
-    from megatron_gspo.config_loader import load_config
-    from megatron_gspo.run_setup import resolve_model
+    from megatron_gspo.config.loader import load_config
+    from megatron_gspo.trainer.setup import resolve_model
 
     cfg = resolve_model(load_config(args.preset, overrides))
     command = [
@@ -223,7 +223,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"gpu_smoke: the run failed ({result.returncode}); log: {log_path}", file=sys.stderr)
         return result.returncode
 
-    from megatron_gspo.metrics import read_metrics
+    from megatron_gspo.metrics.sinks import read_metrics
 
     records = read_metrics(str(output_dir))
     summary = summarise(records, cfg, world_size=args.nproc, peak=peak)

@@ -47,7 +47,6 @@ from megatron_gspo.convert.hf_config import hf_config_from_model_config
 from megatron_gspo.rollout.auth import new_api_key
 from megatron_gspo.rollout.embedded import EmbeddedEngine
 from megatron_gspo.rollout.hf_model import forward_with_routes
-from megatron_gspo.rollout.sglang_broadcast import free_port
 from megatron_gspo.rollout.sglang_client import SGLangEngine
 from megatron_gspo.rollout.sglang_cpu import (
     SGLANG_VENV_ENV,
@@ -59,8 +58,13 @@ from megatron_gspo.rollout.sglang_cpu import (
 )
 from megatron_gspo.rollout.sglang_launcher import SGLangServerProcess, build_launch_command
 from megatron_gspo.rollout.sglang_protocol import RouteLayout
-from megatron_gspo.rollout.sglang_weights import DiskTransport, TensorTransport, write_hf_checkpoint
 from megatron_gspo.rollout.types import GenerateRequest, sync_weights_paused
+from megatron_gspo.weight_sync import (
+    DiskTransport,
+    TensorTransport,
+    free_port,
+    write_hf_checkpoint,
+)
 
 VENV_ENV = SGLANG_VENV_ENV
 PROMPTS = [[1, 2, 3], [7, 7, 1, 0, 5], [4], [9, 8, 7, 6, 5, 4, 3], [3, 3], [0, 1, 2, 3, 4, 5]]

@@ -129,18 +129,26 @@ def run_ours(
     import torch  # noqa: F401
     import transformers.models.qwen3_moe.modeling_qwen3_moe  # noqa: F401
 
+    import megatron_gspo
     import megatron_gspo.convert.hf_config  # noqa: F401
     import megatron_gspo.data  # noqa: F401
     import megatron_gspo.reward  # noqa: F401
     import megatron_gspo.rollout.embedded  # noqa: F401
     import megatron_gspo.rollout.factory  # noqa: F401
-    from megatron_gspo import driver, loop
-    from megatron_gspo.config_loader import load_config
+    from megatron_gspo import loop
+    from megatron_gspo.config.loader import load_config
     from megatron_gspo.engine import TrainEngine
 
+    package = Path(megatron_gspo.__file__).parent  # the measured checkout's, not an installed one
+    # The rank-0 driver: driver/rollout_driver.py since the package was divided, driver.py before.
+    driver = importlib.import_module(
+        "megatron_gspo.driver.rollout_driver"
+        if (package / "driver" / "rollout_driver.py").exists()
+        else "megatron_gspo.driver"
+    )
     # The weight-export module under its name in the measured checkout (renamed after 50ab85b).
     for name in ("hf_import_export", "hf_weights"):
-        if (Path(driver.__file__).parent / "engine" / f"{name}.py").exists():
+        if (package / "engine" / f"{name}.py").exists():
             importlib.import_module(f"megatron_gspo.engine.{name}")
             break
     import_peak_kb = _proc_status_kb("VmHWM")
@@ -149,13 +157,14 @@ def run_ours(
 
     timeline = Timeline()
     engines: list[Any] = []
-    # Generation and scoring live in production.py (driver.py in checkouts before it).
-    package = Path(driver.__file__).parent  # the measured checkout's, not an installed one's
-    stages = (
-        importlib.import_module("megatron_gspo.production")
-        if (package / "production.py").exists()
-        else driver
-    )
+    # Generation and scoring live in production/single_turn.py (production.py, then driver.py,
+    # in older checkouts): patched where the producer looks them up.
+    if (package / "production" / "single_turn.py").exists():
+        stages = importlib.import_module("megatron_gspo.production.single_turn")
+    elif (package / "production.py").exists():
+        stages = importlib.import_module("megatron_gspo.production")
+    else:
+        stages = driver
     generate, sync_weights, build_rollout = (
         stages.generate,
         driver.RolloutDriver.sync_weights,

@@ -4,7 +4,7 @@
             -> weight sync -> evaluate, log, checkpoint
 
 Every rank runs this file (SPMD under torchrun) and speaks to two actors: the training engine,
-whose calls are collective, and the driver (``driver.py``), which on global rank 0 owns the
+whose calls are collective, and the driver (``driver/``), which on global rank 0 owns the
 rollout engine, the reward functions and the logs, generates and scores the samples and
 broadcasts them, so that every rank holds the whole rollout batch.
 """
@@ -16,17 +16,12 @@ from contextlib import ExitStack
 
 import torch
 
+from megatron_gspo import algo
 from megatron_gspo.config import TrainConfig
 from megatron_gspo.driver import build_driver
-from megatron_gspo.health import CollapseGuard, RolloutEngineLost, raise_if_interrupted
-from megatron_gspo.metrics import headline_metrics, log_prob_gap_metrics
-from megatron_gspo.policy_stages import (
-    assign_advantages,
-    set_old_log_probs,
-    sft_warmup,
-    update_policy,
-)
-from megatron_gspo.run_setup import (
+from megatron_gspo.metrics.step import headline_metrics, log_prob_gap_metrics
+from megatron_gspo.runtime.health import CollapseGuard, RolloutEngineLost, raise_if_interrupted
+from megatron_gspo.trainer.setup import (
     RunState,
     initial_weights_loader,
     resolve_model,
@@ -34,10 +29,18 @@ from megatron_gspo.run_setup import (
     save_checkpoint,
     save_checkpoint_unless_saved,
 )
+from megatron_gspo.trainer.stages import (
+    assign_advantages,
+    set_old_log_probs,
+    sft_warmup,
+    update_policy,
+)
 
 
 def run(cfg: TrainConfig) -> list[dict]:
     """Train ``cfg.steps`` RL steps; returns the driver's metric records (empty on other ranks)."""
+    # Imported here, not above: the loop's module stays importable without Megatron (its types
+    # and the CLI's --cfg / --help; tests/config/test_light_imports.py).
     from megatron_gspo.engine import TrainEngine
 
     torch.manual_seed(cfg.seed)
@@ -55,7 +58,7 @@ def run(cfg: TrainConfig) -> list[dict]:
         driver = build_driver(
             cfg, rank=engine.parallel.rank, resources=resources, weights=engine.hf_weights
         )
-        advantage_settings = cfg.algo.advantage_settings()
+        advantage_settings = algo.advantage_settings(cfg.algo)
         collapse = CollapseGuard(
             cfg.optim.max_collapsed_steps, vocab_size=cfg.model.vocab_size, lr=cfg.optim.lr
         )

@@ -27,12 +27,16 @@ import time
 
 import yaml
 
-from megatron_gspo.checkpoint_files import CheckpointError, checkpoint_root, latest_checkpoint
 from megatron_gspo.config import ConfigError, to_dict
-from megatron_gspo.config_loader import load_config, overrides_from_env
-from megatron_gspo.console import configure_logging, describe_outputs, summarize
-from megatron_gspo.health import EXIT_CODE as STOPPED_EXIT_CODE
-from megatron_gspo.health import RunStopped, catch_interrupts
+from megatron_gspo.config.loader import load_config, overrides_from_env
+from megatron_gspo.runtime.checkpoint_files import (
+    CheckpointError,
+    checkpoint_root,
+    latest_checkpoint,
+)
+from megatron_gspo.runtime.console import configure_logging, describe_outputs, summarize
+from megatron_gspo.runtime.health import EXIT_CODE as STOPPED_EXIT_CODE
+from megatron_gspo.runtime.health import RunStopped, catch_interrupts
 
 logger = logging.getLogger("megatron_gspo.train")
 
@@ -58,7 +62,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument(
         "overrides", nargs="*", help="Hydra overrides, e.g. algo.clip_low=3e-4 parallel.tp=2"
     )
-    return parser.parse_args(argv)
+    # Intermixed: overrides may stand before and after --preset, as Hydra users write them.
+    return parser.parse_intermixed_args(argv)
 
 
 def exit_with_agent(rank: int, poll_seconds: float = 1.0) -> None:
@@ -102,7 +107,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     configure_logging(rank, config.logging.log_level)
     if rank == 0:  # the driver owns the outputs, data, rewards and rollout servers
-        from megatron_gspo.preflight import check_before_start, prepare_output_dir
+        # Imported here: --help and --cfg load neither torch nor the data and reward packages.
+        from megatron_gspo.startup.preflight import check_before_start, prepare_output_dir
 
         try:
             check_before_start(config)
@@ -112,6 +118,7 @@ def main(argv: list[str] | None = None) -> int:
         prepare_output_dir(config)
         logger.info("%s", describe_outputs(config))
 
+    # Imported here: the loop pulls torch, which --help and --cfg never need.
     from megatron_gspo.loop import run
 
     exit_with_agent(rank)
@@ -129,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[rank{rank}] checkpoint error: {error}", file=sys.stderr)
         return 1
     except RunStopped as error:
-        # A guard (megatron_gspo.health) found that the run can no longer learn: its message
+        # A guard (megatron_gspo.runtime.health) found that the run can no longer learn: its message
         # says why and what to do; a traceback would only bury it.
         print(f"[rank{rank}] {error}", file=sys.stderr)
         return STOPPED_EXIT_CODE

@@ -31,12 +31,12 @@ mismatch (precision and MoE routes):
   grpo_r3         GRPO + R3 (the engine's routes: routing_mismatch_vs_rollout is 0)
 
 With ``--rollout-engine sglang`` the mismatch suite's engine is a real SGLang server in bfloat16
-instead of the embedded one: each variant launches its own server (``rollout.sglang_launch``) from
+instead of the embedded one: each variant launches its own server (``rollout.sglang.launch``) from
 SGLang's environment (``--sglang-python``, default ``$MEGATRON_GSPO_SGLANG_VENV/bin/python``),
 started from the same exported initial weights (``model.hf_path``, written to
 ``--out/initial_model`` unless the overrides give one) and synced from the trainer at start and
 after every step by the disk transport; the server returns every sample's routes
-(``rollout.sglang_return_routes``) so the routing metrics cover every variant. On CPU the server
+(``rollout.sglang.return_routes``) so the routing metrics cover every variant. On CPU the server
 runs SGLang's CPU backend (``--sglang-device cpu``): the AMX path on CPUs with AMX, whose expert
 weights must all be packable (an expert size that is a multiple of 32; ``--quick`` uses 64),
 plain torch elsewhere (docs/sglang-protocol.md section 7).
@@ -510,7 +510,7 @@ def main(argv: list[str] | None = None) -> int:
             continue
         port = 0
         if sglang is not None:
-            from megatron_gspo.rollout.sglang_broadcast import free_port
+            from megatron_gspo.weight_sync import free_port
 
             port = free_port("127.0.0.1")
         command = run_command(args, variant, overrides, sglang, port)

@@ -1,6 +1,6 @@
 """``tools/compare_grpo_gspo.py --rollout-engine sglang``: the mismatch suite on a real SGLang
-server in bfloat16, one launched per variant (``rollout.sglang_launch``) from SGLang's own
-environment (``rollout.sglang_python``), started from exported initial weights and synced by
+server in bfloat16, one launched per variant (``rollout.sglang.launch``) from SGLang's own
+environment (``rollout.sglang.python``), started from exported initial weights and synced by
 disk; on CPU with SGLang's CPU backend (``megatron_gspo.rollout.sglang_cpu``). Checks the
 combination at start, every problem at once (docs/compare_grpo_gspo.md)."""
 
@@ -23,11 +23,11 @@ updates are wrong (docs/sglang-protocol.md section 7); 64 packs on every path.""
 SGLANG_MANAGED_KEYS = (
     "rollout.engine",
     "rollout.dtype",
-    "rollout.sglang_urls",
-    "rollout.sglang_launch",
-    "rollout.sglang_python",
-    "rollout.sglang_port",
-    "rollout.sglang_return_routes",
+    "rollout.sglang.urls",
+    "rollout.sglang.launch",
+    "rollout.sglang.python",
+    "rollout.sglang.port",
+    "rollout.sglang.return_routes",
 )
 """Keys ``--rollout-engine sglang`` sets for every variant; overrides may not set them too."""
 
@@ -53,14 +53,14 @@ class SGLangMode:
             server_args = cpu_server_args(SGLANG_DTYPE)
         chosen = [
             "rollout.engine=sglang",
-            "rollout.sglang_launch=true",
-            f"rollout.sglang_python={self.python}",
-            f"rollout.sglang_port={port}",
-            "rollout.sglang_return_routes=true",
+            "rollout.sglang.launch=true",
+            f"rollout.sglang.python={self.python}",
+            f"rollout.sglang.port={port}",
+            "rollout.sglang.return_routes=true",
             # Disk updates leave the begin/end bracket: the weight update measured right on every
             # CPU path (docs/sglang-protocol.md section 7).
             "rollout.weight_transport=disk",
-            "rollout.sglang_extra_args=[" + ",".join(server_args) + "]",
+            "rollout.sglang.extra_args=[" + ",".join(server_args) + "]",
         ]
         if self.model_dir is not None:
             chosen.append(f"model.hf_path={self.model_dir}")
@@ -113,7 +113,7 @@ def prepare_sglang(
 
     venv = os.environ.get(SGLANG_VENV_ENV)
     python = args.sglang_python or (str(venv_python(venv)) if venv else sys.executable)
-    from megatron_gspo.preflight import sglang_unavailable
+    from megatron_gspo.rollout.sglang_engine import sglang_unavailable
 
     missing = sglang_unavailable(python)
     if missing:
@@ -125,8 +125,8 @@ def prepare_sglang(
         return None, problems
 
     from megatron_gspo.config import ConfigError
-    from megatron_gspo.config_loader import load_config
-    from megatron_gspo.run_setup import resolve_model
+    from megatron_gspo.config.loader import load_config
+    from megatron_gspo.trainer.setup import resolve_model
 
     try:
         # With the user's model.hf_path the shape comes from its config.json.
@@ -177,7 +177,7 @@ def export_initial_model(cfg, directory: Path) -> Path:
     server start from it (the servers need a model directory to start)."""
     from megatron_gspo.convert.hf_config import hf_config_from_model_config
     from megatron_gspo.rollout.embedded import EmbeddedEngine
-    from megatron_gspo.rollout.sglang_weights import write_hf_checkpoint
+    from megatron_gspo.weight_sync import write_hf_checkpoint
 
     engine = EmbeddedEngine(cfg.model, seed=cfg.seed)
     try:

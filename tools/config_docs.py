@@ -1,12 +1,12 @@
-"""Write ``docs/configuration.md``, the reference of every configuration key, from
-``megatron_gspo/config.py`` and the section modules it imports (the dataclasses, their defaults
-and the docstrings under each field).
+"""Write ``docs/configuration.md``, the reference of every configuration key, from the
+``megatron_gspo/config/`` package: the tree and its section modules (the dataclasses, their
+defaults and the docstrings under each field).
 
     python tools/config_docs.py            # rewrite docs/configuration.md
-    python tools/config_docs.py --check    # exit 1 if it differs from what config.py says
+    python tools/config_docs.py --check    # exit 1 if it differs from what megatron_gspo/config/ says
 
 ``tests/docs/test_docs.py`` runs the check, so the page cannot drift from the schema: change a
-key's docstring or default in config.py, then run this script.
+key's docstring or default in megatron_gspo/config/, then run this script.
 """
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ import ast
 import dataclasses
 import inspect
 import sys
-import typing
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +23,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 
 from megatron_gspo import config as config_module  # noqa: E402
+from megatron_gspo.config.schema import RENAMED_KEYS, section_type  # noqa: E402
 
 OUTPUT = REPO_ROOT / "docs" / "configuration.md"
 
@@ -31,8 +31,8 @@ HEADER = """\
 # Configuration reference
 
 Every key of the configuration tree, its type, its default and what it means. This page is
-generated from `megatron_gspo/config.py` (and the sections it imports, `config_model.py`,
-`config_algo.py` and `config_rollout.py`) by `python tools/config_docs.py` (a test fails when
+generated from the `megatron_gspo/config/` package (`tree.py` and the section modules `model.py`,
+`algo.py`, `rollout.py` and `sglang.py`) by `python tools/config_docs.py` (a test fails when
 they differ): the defaults live only there, each with its source where it comes from a paper or
 a peer framework.
 
@@ -47,7 +47,7 @@ what is wrong, why, and how to fix it.
 
 def class_node(class_name: str) -> ast.ClassDef:
     """The source of the config class ``class_name``, from the module that defines it
-    (config.py or one of the section modules it imports)."""
+    (a module of megatron_gspo/config/)."""
     source = Path(inspect.getsourcefile(getattr(config_module, class_name)))
     tree = ast.parse(source.read_text())
     (node,) = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == class_name]
@@ -104,7 +104,7 @@ def section(cls: type, prefix: str) -> list[str]:
     docs, types = field_docstrings(cls.__name__), annotations(cls.__name__)
     lines = []
     for field in dataclasses.fields(cls):
-        if dataclasses.is_dataclass(config_module._dataclass_of(field.type)):
+        if dataclasses.is_dataclass(section_type(cls, field.name)):
             continue
         text = docs.get(field.name, "")
         meaning = f": {text}" if text else ""
@@ -123,15 +123,30 @@ def render() -> str:
     root = config_module.TrainConfig
     parts = [HEADER, "## Top level", "", class_doc(root), "", *section(root, ""), ""]
     parts += subsections(root, "", level=2)
+    parts += renamed_keys()
     return "\n".join(parts).rstrip() + "\n"
+
+
+def renamed_keys() -> list[str]:
+    """The table of renamed keys (``config.schema.RENAMED_KEYS``), whose old names still work."""
+    lines = [
+        "## Renamed keys",
+        "",
+        "These old names are still read, as the new key with a warning that names it, for one "
+        "release; giving both names of a key is an error.",
+        "",
+        "| old key | new key |",
+        "|---|---|",
+    ]
+    lines += [f"| `{old}` | `{new}` |" for old, new in RENAMED_KEYS.items()]
+    return lines + [""]
 
 
 def subsections(cls: type, prefix: str, level: int) -> list[str]:
     """A section per nested config dataclass of ``cls`` (and theirs, one heading level down)."""
     parts: list[str] = []
-    hints = typing.get_type_hints(cls)
     for field in dataclasses.fields(cls):
-        sub = config_module._dataclass_of(hints[field.name])
+        sub = section_type(cls, field.name)
         if sub is None:
             continue
         key = f"{prefix}{field.name}"

@@ -145,6 +145,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def megatron_to_hf(args: argparse.Namespace) -> int:
     from megatron_gspo.convert.export import (
+        check_checkpoint_intact,
         convert_torch_dist_to_hf,
         model_config_for_export,
         parse_dtype,
@@ -152,6 +153,7 @@ def megatron_to_hf(args: argparse.Namespace) -> int:
     )
 
     checkpoint = resolve_checkpoint_dir(args.ckpt)
+    check_checkpoint_intact(checkpoint)
     model = model_config_for_export(
         checkpoint_dir=checkpoint, origin_hf=args.origin_hf, config_file=args.config
     )

@@ -13,8 +13,9 @@ die() {
     exit 2
 }
 
-# Prints a command the way a user would type it (each word shell-quoted), the value of
-# --api-key replaced by *** (logs and dry runs must not carry the secret).
+# Prints a command the way a user would type it (each word shell-quoted), the value of an
+# --api-key replaced by *** (logs and dry runs must not carry the secret; the scripts' own servers
+# take it from a file: add_sglang_key_file).
 print_command() {
     local word quoted=() hide=false
     for word in "$@"; do
@@ -62,7 +63,7 @@ import shlex
 import sys
 
 from megatron_gspo.config import ConfigError
-from megatron_gspo.config_loader import load_config, overrides_from_env
+from megatron_gspo.config.loader import load_config, overrides_from_env
 
 preset, world_size, overrides = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
 try:
@@ -75,7 +76,7 @@ except ConfigError as error:
 values = {
     "OUTPUT_DIR": config.output_dir,
     "ENGINE": config.rollout.engine,
-    "SGLANG_PORT": config.rollout.sglang_port,
+    "SGLANG_PORT": config.rollout.sglang.port,
     "WEIGHT_TRANSPORT": config.rollout.weight_transport,
 }
 for name, value in values.items():
@@ -106,8 +107,7 @@ build_sglang_command() {
 import shlex
 import sys
 
-from megatron_gspo.config_loader import load_config, overrides_from_env
-from megatron_gspo.rollout.auth import api_key_from_environment
+from megatron_gspo.config.loader import load_config, overrides_from_env
 from megatron_gspo.rollout.sglang_launcher import build_launch_command
 
 host, port, preset, extra_count = sys.argv[1], int(sys.argv[2]), sys.argv[3], int(sys.argv[4])
@@ -124,12 +124,11 @@ try:
         config.model.hf_path,
         port=port,
         host=host,
-        tp_size=rollout.sglang_tp,
-        ep_size=rollout.sglang_ep,
-        mem_fraction_static=rollout.sglang_mem_fraction,
+        tp_size=rollout.sglang.tp,
+        ep_size=rollout.sglang.ep,
+        mem_fraction_static=rollout.sglang.mem_fraction,
         enable_return_routed_experts=config.algo.routing_replay == "r3",
-        extra_args=[*rollout.sglang_extra_args, *extra],
-        api_key=api_key_from_environment(),
+        extra_args=[*rollout.sglang.extra_args, *extra],
     )
 except ValueError as error:
     sys.exit(f"error: cannot start SGLang with this configuration: {error}")
@@ -137,6 +136,31 @@ print(shlex.join(command))
 PYTHON_END
     )" || exit 2
     eval "SGLANG_COMMAND=($words)"
+}
+
+# add_sglang_key_file DRY_RUN
+# With MEGATRON_GSPO_SGLANG_API_KEY set, appends SGLang's own `--config FILE.yaml` holding the key
+# to SGLANG_COMMAND: a key on the command line is readable by every local user
+# (/proc/PID/cmdline, ps). The file is private (mktemp: mode 0600) and removed once the server
+# answers (remove_sglang_key_file). A dry run names it without writing it.
+add_sglang_key_file() {
+    local dry_run="$1"
+    [[ -n "${MEGATRON_GSPO_SGLANG_API_KEY:-}" ]] || return 0
+    if [[ "$dry_run" == true ]]; then
+        SGLANG_COMMAND+=(--config '<private file with the API key>')
+        return
+    fi
+    SGLANG_KEY_FILE="$(mktemp --suffix=.yaml "${TMPDIR:-/tmp}/megatron_gspo_sglang_XXXXXX")"
+    "$PYTHON" -c 'from megatron_gspo.rollout.auth import api_key_from_environment as key
+import json, sys; json.dump({"api-key": key()}, sys.stdout)' >"$SGLANG_KEY_FILE"
+    SGLANG_COMMAND+=(--config "$SGLANG_KEY_FILE")
+}
+
+remove_sglang_key_file() {
+    if [[ -n "${SGLANG_KEY_FILE:-}" ]]; then
+        rm -f "$SGLANG_KEY_FILE"
+        SGLANG_KEY_FILE=
+    fi
 }
 
 # wait_for_sglang URL PID LOG_FILE TIMEOUT_SECONDS
@@ -167,6 +191,7 @@ wait_for_sglang() {
 start_sglang_server() {
     local log_file="$1" host="$2" port="$3" release_memory="$4"
     build_sglang_command "$host" "$port" "$release_memory"
+    add_sglang_key_file false
     mkdir -p "$(dirname "$log_file")"
     log "starting SGLang: $(print_command "${SGLANG_COMMAND[@]}")"
     setsid "${SGLANG_COMMAND[@]}" >"$log_file" 2>&1 &
@@ -174,6 +199,7 @@ start_sglang_server() {
 }
 
 stop_sglang_server() {
+    remove_sglang_key_file
     if [[ -n "${SGLANG_PID:-}" ]] && kill -0 "$SGLANG_PID" 2>/dev/null; then
         log "stopping the SGLang server (process group $SGLANG_PID)"
         kill -TERM -- "-$SGLANG_PID" 2>/dev/null || true
@@ -182,7 +208,7 @@ stop_sglang_server() {
 }
 
 # default_sglang_mode: without --sglang, SGLang runs colocated when the preset's rollout engine
-# is sglang (none otherwise); without --sglang-port, on the preset's rollout.sglang_port.
+# is sglang (none otherwise); without --sglang-port, on the preset's rollout.sglang.port.
 default_sglang_mode() {
     if [[ -z "$SGLANG_MODE" ]]; then
         SGLANG_MODE=none
@@ -203,6 +229,7 @@ run_trainer() {
     if [[ "$DRY_RUN" == true ]]; then
         if [[ "$SGLANG_MODE" == colocated ]]; then
             build_sglang_command "$host" "$SGLANG_PORT" true
+            add_sglang_key_file true
             print_command "${SGLANG_COMMAND[@]}"
         fi
         print_command "$@"
@@ -213,6 +240,7 @@ run_trainer() {
         trap 'exit 130' INT TERM
         start_sglang_server "$sglang_log" "$host" "$SGLANG_PORT" true
         wait_for_sglang "http://$host:$SGLANG_PORT" "$SGLANG_PID" "$sglang_log" "$SGLANG_TIMEOUT"
+        remove_sglang_key_file # read at start-up: the server answers, so it holds the key now
     fi
     log "$description: $(print_command "$@")"
     "$@"
@@ -310,16 +338,16 @@ rollout_overrides_for() {
         colocated)
             ROLLOUT_OVERRIDES=(
                 rollout.engine=sglang
-                "rollout.sglang_urls=$(hydra_list "$@")"
-                rollout.sglang_release_memory=true
+                "rollout.sglang.urls=$(hydra_list "$@")"
+                rollout.sglang.release_memory=true
             )
             ;;
         dedicated)
             ((${#URLS[@]})) || die "--sglang dedicated needs the servers' URLs: --sglang-url http://HOST:PORT (repeatable) or SGLANG_URLS=url1,url2"
             ROLLOUT_OVERRIDES=(
                 rollout.engine=sglang
-                "rollout.sglang_urls=$(hydra_list "${URLS[@]}")"
-                rollout.sglang_release_memory=false
+                "rollout.sglang.urls=$(hydra_list "${URLS[@]}")"
+                rollout.sglang.release_memory=false
             )
             # CUDA IPC handles only work between processes on the same GPUs.
             if [[ "$CFG_WEIGHT_TRANSPORT" == tensor ]]; then

@@ -9,7 +9,7 @@ usage() {
 Usage: examples/moe/docker_run.sh [--dry-run] [COMMAND ARG ...]
 
 Runs COMMAND (default: examples/moe/launch_single_node.sh) in the image:
-  docker run --rm --gpus all --ipc=host --network host --ulimit memlock=-1 ... IMAGE COMMAND ...
+  docker run --rm --init --gpus all --ipc=host --network host --ulimit memlock=-1 ... IMAGE COMMAND ...
 
 Environment:
   IMAGE        image to run (default: megatron-gspo:0.1.0, built with `docker build -t megatron-gspo:0.1.0 .`)
@@ -29,7 +29,8 @@ Environment:
 The image runs as the unprivileged user "trainer" (uid 1000 unless built with
 --build-arg TRAINER_UID=...): OUTPUT_ROOT must be writable by that uid.
 
-Why the flags: --ipc=host gives NCCL and PyTorch the host's shared memory (Docker's default
+Why the flags: --init starts the command under an init process that reaps orphaned processes
+(without it the trainer is PID 1 and collects them as zombies); --ipc=host gives NCCL and PyTorch the host's shared memory (Docker's default
 64 MB /dev/shm is far too small); --network host lets torchrun, NCCL and the SGLang
 servers reach the other nodes at their own addresses; /dev/infiniband and memlock=-1 let NCCL use
 RDMA.
@@ -60,7 +61,7 @@ fi
 image="${IMAGE:-megatron-gspo:0.1.0}"
 output_root="${OUTPUT_ROOT:-$PWD/outputs}"
 docker_command=(
-    docker run --rm --gpus all --ipc=host --network host
+    docker run --rm --init --gpus all --ipc=host --network host
     --ulimit memlock=-1 --ulimit stack=67108864
     -v "${MODELS_DIR:-/models}:/models:ro"
     -v "${DATA_DIR:-/data}:/data:ro"

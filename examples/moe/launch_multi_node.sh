@@ -41,7 +41,7 @@ Options:
                         dedicated: servers on other machines (sglang_server.sh), given by
                         SGLANG_URLS / --sglang-url, weights by NCCL broadcast unless the preset
                         says disk; none: the preset's rollout engine as it is
-  --sglang-port PORT    port of the colocated servers (default: the preset's rollout.sglang_port)
+  --sglang-port PORT    port of the colocated servers (default: the preset's rollout.sglang.port)
   --sglang-timeout SEC  how long to wait for the colocated server to answer (default: 1800)
   --dry-run             print the commands instead of running them
   -h, --help            this help

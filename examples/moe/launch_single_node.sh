@@ -22,13 +22,13 @@ Options:
                           colocated  start one SGLang server on this node's GPUs with
                                      --enable-memory-saver, wait until it answers, and let the
                                      trainer release its memory while it trains
-                                     (rollout.sglang_release_memory=true, weights by CUDA IPC)
+                                     (rollout.sglang.release_memory=true, weights by CUDA IPC)
                           dedicated  use servers already running elsewhere (sglang_server.sh on
                                      other machines): --sglang-url, or SGLANG_URLS=url1,url2;
                                      weights go by NCCL broadcast unless the preset says disk
                           none       the preset's rollout engine as it is (CPU presets)
   --sglang-url URL      a dedicated server, e.g. http://rollout-0:30000 (repeatable)
-  --sglang-port PORT    port of the colocated server (default: the preset's rollout.sglang_port)
+  --sglang-port PORT    port of the colocated server (default: the preset's rollout.sglang.port)
   --sglang-timeout SEC  how long to wait for the colocated server to answer (default: 1800)
   --dry-run             print the commands instead of running them
   -h, --help            this help

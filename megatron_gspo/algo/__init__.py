@@ -7,8 +7,10 @@ Public API::
     )
 
 Both take tensors (and, where a reduction crosses ranks, process groups) and one frozen settings
-object built once per run (``AlgoConfig.policy_loss_settings()``, ``.advantage_settings()``),
-never a config object.
+object built once per run from the configuration (:func:`policy_loss_settings`,
+:func:`advantage_settings`), never a config object. The names the settings accept and the rules
+they obey are the configuration's (:mod:`megatron_gspo.config.loss_rules`, torch-free), so the
+configuration checks at start exactly what the settings check when built.
 """
 
 from megatron_gspo.algo.advantages import (
@@ -24,8 +26,6 @@ from megatron_gspo.algo.advantages import (
     whiten,
 )
 from megatron_gspo.algo.corrections import (
-    CORRECTION_LEVELS,
-    CORRECTION_MODES,
     CorrectionWeights,
     RolloutCorrection,
     correction_metrics,
@@ -33,15 +33,26 @@ from megatron_gspo.algo.corrections import (
     finish_correction_metrics,
     log_prob_gap,
 )
-from megatron_gspo.algo.kl import KL_ESTIMATORS, kl_estimate
+from megatron_gspo.algo.kl import kl_estimate
 from megatron_gspo.algo.losses import (
-    LOSS_AGG_MODES,
     RATIO_FUNCTIONS,
-    SURROGATES,
     PolicyLossSettings,
     aggregate,
     policy_loss,
     sequence_log_ratio,
+)
+from megatron_gspo.algo.settings import (
+    advantage_settings,
+    policy_loss_settings,
+    rollout_correction,
+)
+from megatron_gspo.config.loss_rules import (
+    CORRECTION_LEVELS,
+    CORRECTION_MODES,
+    KL_ESTIMATORS,
+    LOSS_AGG_MODES,
+    SURROGATES,
+    SettingsError,
 )
 
 __all__ = [
@@ -56,7 +67,9 @@ __all__ = [
     "PolicyLossSettings",
     "RolloutCorrection",
     "RunningMoments",
+    "SettingsError",
     "add_token_level_kl",
+    "advantage_settings",
     "aggregate",
     "compute_advantages",
     "correction_metrics",
@@ -69,6 +82,8 @@ __all__ = [
     "log_prob_gap",
     "normalize_rewards",
     "policy_loss",
+    "policy_loss_settings",
+    "rollout_correction",
     "sequence_log_ratio",
     "turn_advantages",
     "whiten",

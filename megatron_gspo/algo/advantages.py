@@ -31,12 +31,13 @@ group baseline give them advantage 0. Groups whose rewards are all equal get adv
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Optional
 
 import torch
 
-from megatron_gspo.algo.kl import KL_ESTIMATORS, kl_estimate
+from megatron_gspo.algo.kl import kl_estimate
+from megatron_gspo.config.loss_rules import ADV_ESTIMATORS, check_advantages
 
 WHITEN_EPS = 1e-8  # ROLL's masked_whiten (rsqrt(var + 1e-8))
 
@@ -189,7 +190,7 @@ def estimate_advantages(
         advantages = size / (size - 1).clamp(min=1) * (rewards - mean)
     else:
         raise ValueError(
-            f"unknown advantage estimator {estimator!r}; known: grpo, dr_grpo, reinforce, rloo"
+            f"unknown advantage estimator {estimator!r}; known: {', '.join(ADV_ESTIMATORS)}"
         )
     return torch.where(singleton, torch.zeros_like(advantages), advantages)
 
@@ -275,15 +276,12 @@ def whiten(advantages: torch.Tensor, token_counts: torch.Tensor) -> torch.Tensor
     return whitened * (weights > 0) if values.dim() == 2 else whitened
 
 
-REWARD_NORM_SCOPES = ("batch", "group", "running")
-ESTIMATORS = ("grpo", "dr_grpo", "reinforce", "rloo")
-REINFORCE_BASELINES = ("none", "group", "batch")
-
-
 @dataclass(frozen=True)
 class AdvantageSettings:
-    """What :func:`compute_advantages` computes, fixed for a run (built once, e.g. by
-    ``AlgoConfig.advantage_settings()``). Field ``n`` below is step ``n`` of the module docstring.
+    """What :func:`compute_advantages` computes, fixed for a run (built once, e.g. from the
+    configuration by :func:`megatron_gspo.algo.settings.advantage_settings`; checked by the rules
+    the configuration checks too, :mod:`megatron_gspo.config.loss_rules`). Field ``n`` below is
+    step ``n`` of the module docstring.
 
     ``estimator`` has no default; the other fields default to "off" or to the value their
     docstring names. A new option is a new field with an "off" default.
@@ -324,23 +322,7 @@ class AdvantageSettings:
     """Step 6: clamp the advantages to ``+-advantage_clip``; None: off."""
 
     def __post_init__(self) -> None:
-        for name, value, known in (
-            ("estimator", self.estimator, ESTIMATORS),
-            ("reward_norm", self.reward_norm, (None, *REWARD_NORM_SCOPES)),
-            ("reinforce_baseline", self.reinforce_baseline, REINFORCE_BASELINES),
-            ("token_level_kl_estimator", self.token_level_kl_estimator, KL_ESTIMATORS),
-        ):
-            if value not in known:
-                raise ValueError(f"unknown {name} {value!r}; known: {', '.join(map(str, known))}")
-        if self.per_turn and (
-            self.reward_norm is not None
-            or self.reward_clip is not None
-            or self.token_level_kl_coef is not None
-        ):
-            raise ValueError(
-                "per-turn advantages start from the turns' rewards: reward_norm, reward_clip and "
-                "token_level_kl_coef must be off"
-            )
+        check_advantages(**{field.name: getattr(self, field.name) for field in fields(self)})
 
     @property
     def per_token(self) -> bool:

@@ -51,10 +51,11 @@ from typing import Optional, Union
 import torch
 import torch.distributed as dist
 
+from megatron_gspo.algo.kl import kl_estimate
+from megatron_gspo.config.loss_rules import check_correction
+
 Number = Union[float, int, torch.Tensor]
 
-CORRECTION_LEVELS = ("token", "sequence")
-CORRECTION_MODES = ("truncate", "mask")
 SAFETY_LOG_RATIO = 20.0
 """|log ratio| bound before ``exp`` (verl ``rollout_corr_helper.SAFETY_BOUND``, slime
 ``mis.py``): ``e^20`` is about 5e8, far beyond any threshold."""
@@ -69,7 +70,9 @@ def _masked(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class RolloutCorrection:
-    """Which correction :func:`correction_weights` applies (built once from the config)."""
+    """Which correction :func:`correction_weights` applies (built once from the config, by
+    :func:`megatron_gspo.algo.settings.rollout_correction`; checked by the rules the
+    configuration checks too, :func:`megatron_gspo.config.loss_rules.check_correction`)."""
 
     level: str
     """``token`` (one weight per token) or ``sequence`` (the geometric mean, one per sequence)."""
@@ -81,26 +84,7 @@ class RolloutCorrection:
     """The lower bound of mask; must be None for truncate (TIS caps from above only)."""
 
     def __post_init__(self) -> None:
-        if self.level not in CORRECTION_LEVELS:
-            raise ValueError(
-                f"unknown correction level {self.level!r}; known: {', '.join(CORRECTION_LEVELS)}"
-            )
-        if self.mode not in CORRECTION_MODES:
-            raise ValueError(
-                f"unknown correction mode {self.mode!r}; known: {', '.join(CORRECTION_MODES)}"
-            )
-        if self.mode == "truncate":
-            if self.low is not None:
-                raise ValueError("truncate caps the weight from above only; low must be None")
-            if not self.high >= 1.0:
-                raise ValueError(
-                    f"truncate needs high >= 1 (a cap below 1 down-weights all), got {self.high}"
-                )
-        elif self.low is None or not 0.0 <= self.low < 1.0 < self.high:
-            raise ValueError(
-                f"mask needs 0 <= low < 1 < high (ratio 1, no mismatch, must be kept), got "
-                f"low={self.low}, high={self.high}"
-            )
+        check_correction(level=self.level, mode=self.mode, low=self.low, high=self.high)
 
 
 @dataclass
@@ -291,8 +275,6 @@ def log_prob_gap(
     (positive: the trainer finds the text more likely than the engine did; verl and slime log the
     same ``log_ppl_diff``). Empty when no sample has a loss token.
     """
-    from megatron_gspo.algo.kl import kl_estimate
-
     trainer, rollout, per_sequence = [], [], []
     for trainer_values, rollout_values, mask in zip(trainer_log_probs, rollout_log_probs, masks):
         mask = mask.bool()

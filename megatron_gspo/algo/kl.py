@@ -22,8 +22,9 @@ from typing import Optional
 
 import torch
 
+from megatron_gspo.config.loss_rules import KL_ESTIMATORS
+
 KL_LOG_RATIO_CLAMP = 20.0
-KL_ESTIMATORS = ("k1", "k2", "k3")
 
 
 def kl_estimate(

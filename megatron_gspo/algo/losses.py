@@ -62,6 +62,7 @@ metrics divided by ``N_tok``, sequence metrics by ``N_seq`` with each sequence's
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple, Optional, Union
@@ -75,7 +76,8 @@ from megatron_gspo.algo.corrections import (
     correction_weights,
     sequence_log_ratio,
 )
-from megatron_gspo.algo.kl import KL_ESTIMATORS, kl_estimate
+from megatron_gspo.algo.kl import kl_estimate
+from megatron_gspo.config.loss_rules import LOSS_AGG_MODES, check_policy_loss
 
 Number = Union[float, int, torch.Tensor]
 
@@ -110,20 +112,12 @@ def token_ratio(log_probs, old_log_probs, mask, lengths, clamp, sequence_group):
     return torch.exp(token_log_ratio), log_ratio
 
 
+# Keyed by config.loss_rules.IMPORTANCE_SAMPLING, the names the settings accept.
 RATIO_FUNCTIONS: dict[str, Callable] = {
     "seq": sequence_ratio,
     "seq_token": sequence_token_ratio,
     "token": token_ratio,
 }
-
-
-LOSS_AGG_MODES = (
-    "token-mean",
-    "seq-mean-token-sum",
-    "seq-mean-token-mean",
-    "seq-mean-token-sum-norm",
-    "dr-grpo",
-)
 
 
 def aggregate(
@@ -151,13 +145,12 @@ def aggregate(
     raise ValueError(f"unknown loss_agg_mode {mode!r}; known: {', '.join(LOSS_AGG_MODES)}")
 
 
-SURROGATES = ("clip", "cispo", "gmpo")
-
-
 @dataclass(frozen=True)
 class PolicyLossSettings:
-    """What :func:`policy_loss` computes, fixed for a run (built once, e.g. by
-    ``AlgoConfig.policy_loss_settings()``). Tensors and process groups stay arguments.
+    """What :func:`policy_loss` computes, fixed for a run (built once, e.g. from the
+    configuration by :func:`megatron_gspo.algo.settings.policy_loss_settings`). Tensors and
+    process groups stay arguments. Which fields go together is checked when it is built, by the
+    rules the configuration checks too (:mod:`megatron_gspo.config.loss_rules`).
 
     Fields without a default choose the algorithm; the others default to "off" (no dual clip, no
     KL term, no entropy bonus, the clipped surrogate, no rollout correction) or to the value the
@@ -204,46 +197,15 @@ class PolicyLossSettings:
     (:mod:`megatron_gspo.algo.corrections`); needs ``behaviour_log_probs``. None: off."""
 
     def __post_init__(self) -> None:
-        if self.importance_sampling not in RATIO_FUNCTIONS:
-            raise ValueError(
-                f"unknown importance_sampling {self.importance_sampling!r}; known: "
-                f"{', '.join(RATIO_FUNCTIONS)}"
-            )
-        if self.loss_agg_mode not in LOSS_AGG_MODES:
-            raise ValueError(
-                f"unknown loss_agg_mode {self.loss_agg_mode!r}; known: {', '.join(LOSS_AGG_MODES)}"
-            )
-        if self.kl_estimator not in KL_ESTIMATORS:
-            raise ValueError(
-                f"unknown KL estimator {self.kl_estimator!r}; known: {', '.join(KL_ESTIMATORS)}"
-            )
-        if self.surrogate not in SURROGATES:
-            raise ValueError(
-                f"unknown surrogate {self.surrogate!r}; known: {', '.join(SURROGATES)}"
-            )
-        if self.surrogate != "clip":
-            if self.importance_sampling != "token":
-                raise ValueError(
-                    f"{self.surrogate} is built on token ratios: importance_sampling='token'"
-                )
-            if self.dual_clip_constant is not None:
-                raise ValueError(
-                    f"dual clip applies to the clipped surrogate, not {self.surrogate}"
-                )
-        if self.surrogate == "cispo" and self.cispo_weight_bounds is None:
-            raise ValueError("surrogate='cispo' needs cispo_weight_bounds=(w_low, w_high)")
-        if self.surrogate == "gmpo":
-            if self.gmpo_log_clip is None:
-                raise ValueError("surrogate='gmpo' needs gmpo_log_clip")
-            if self.loss_agg_mode != "seq-mean-token-mean":
-                raise ValueError(
-                    "GMPO has one term per sequence: loss_agg_mode='seq-mean-token-mean'"
-                )
-            correction = self.rollout_correction
-            if correction is not None and correction.level == "token":
-                raise ValueError(
-                    "GMPO has one term per sequence: a token-level correction cannot weight it"
-                )
+        fields = {
+            field.name: getattr(self, field.name)
+            for field in dataclasses.fields(self)
+            if field.name != "rollout_correction"
+        }
+        correction = self.rollout_correction
+        check_policy_loss(
+            **fields, correction_level=None if correction is None else correction.level
+        )
 
 
 class _Surrogate(NamedTuple):

@@ -19,11 +19,11 @@ from typing import Any, Optional
 
 import torch
 
-from megatron_gspo.checkpoint_files import MARKER, latest_checkpoint
-from megatron_gspo.config import ModelConfig
-from megatron_gspo.convert.hf_config import hf_config_dict, read_hf_config
+from megatron_gspo.config import ModelConfig, from_dict
+from megatron_gspo.convert.hf_config import hf_config_dict, model_config_from_hf, read_hf_config
 from megatron_gspo.convert.mapping import (
     ConversionError,
+    hf_parameter_shapes,
     megatron_parameter_shapes,
     megatron_to_hf,
     parse_megatron_name,
@@ -35,6 +35,12 @@ from megatron_gspo.convert.safetensors_io import (
     copy_side_files,
 )
 from megatron_gspo.convert.torch_dist import StoredParameter, TorchDistCheckpoint
+from megatron_gspo.runtime.checkpoint_files import (
+    MARKER,
+    complete_checkpoints,
+    damaged_files,
+    latest_checkpoint,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -189,8 +195,6 @@ def save_hf_checkpoint(
     one tensor at a time; a missing, unexpected or misshaped tensor fails the export and leaves no
     output directory.
     """
-    from megatron_gspo.convert.mapping import hf_parameter_shapes
-
     dtype = dtype or _DTYPES[model.dtype]
     planned = [
         PlannedTensor(name, shape, dtype) for name, shape in hf_parameter_shapes(model).items()
@@ -212,10 +216,39 @@ def save_hf_checkpoint(
 def resolve_checkpoint_dir(path: str) -> str:
     """A torch_dist directory from ``path``: the directory itself (it holds ``.metadata``), or a
     run's checkpoint root (the checkpoint a resume would take: see
-    :func:`megatron_gspo.checkpoint_files.latest_checkpoint`)."""
+    :func:`megatron_gspo.runtime.checkpoint_files.latest_checkpoint`)."""
     if os.path.isfile(os.path.join(path, ".metadata")):
         return path
     return latest_checkpoint(path) or path  # read_dcp_metadata explains what is missing
+
+
+def check_checkpoint_intact(checkpoint_dir: str) -> None:
+    """Raise a :class:`ConversionError` naming the damaged files of ``checkpoint_dir`` (a
+    truncated shard or index: :func:`~megatron_gspo.runtime.checkpoint_files.damaged_files`)
+    and the newest intact checkpoint beside it, as the trainer's resume does, instead of the bare
+    ``EOFError`` of PyTorch's reader. A directory without ``.metadata`` is left to the reader,
+    whose message says what is missing."""
+    if not os.path.isfile(os.path.join(checkpoint_dir, ".metadata")):
+        return
+    problems = damaged_files(checkpoint_dir)
+    if not os.path.isfile(os.path.join(checkpoint_dir, MARKER)):
+        # Written by the converter (hf-to-megatron), not published by the trainer: no marker
+        # or metadata.json to read, only tensors.
+        problems = [problem for problem in problems if "FileNotFoundError" not in problem]
+    if not problems:
+        return
+    root = os.path.dirname(os.path.abspath(checkpoint_dir))
+    intact = [
+        older
+        for _, older in reversed(complete_checkpoints(root))
+        if older != checkpoint_dir and not damaged_files(older)
+    ]
+    fix = (
+        f"convert the newest intact checkpoint instead: --ckpt {intact[0]}"
+        if intact
+        else "restore the files from a copy; no other checkpoint beside it is intact"
+    )
+    raise ConversionError(f"checkpoint {checkpoint_dir} is damaged: {'; '.join(problems)}. {fix}")
 
 
 def model_config_for_export(
@@ -231,9 +264,6 @@ def model_config_for_export(
     2. ``checkpoint_dir/checkpoint.json`` (written by this project's ``save_checkpoint``);
     3. ``origin_hf/config.json`` (the HF model training started from).
     """
-    from megatron_gspo.config import from_dict
-    from megatron_gspo.convert.hf_config import model_config_from_hf
-
     section: Any = None
     if config_file:
         data = _load_structured(config_file)

@@ -66,6 +66,61 @@ _DTYPE_NAMES = {
 # ---------------------------------------------------------------------------------------------
 
 
+def damaged_safetensors(hf_dir: str) -> list[str]:
+    """What is wrong with the safetensors files of an HF model directory, one line each (empty
+    when nothing is): a shard that the index names but the directory lacks, a file whose header
+    cannot be read, a file shorter than its header says (a truncated copy or download). Reads
+    headers only, never the tensors, so it runs before anything is built."""
+    index_path = os.path.join(hf_dir, INDEX_FILE)
+    problems = []
+    if os.path.isfile(index_path):
+        try:
+            with open(index_path, encoding="utf-8") as file:
+                named = sorted(set(json.load(file)["weight_map"].values()))
+        except (OSError, ValueError, KeyError, TypeError) as error:
+            return [f"{index_path} cannot be read ({type(error).__name__}: {error})"]
+        for file_name in named:
+            if not os.path.isfile(os.path.join(hf_dir, file_name)):
+                problems.append(
+                    f"{os.path.join(hf_dir, file_name)} is missing ({INDEX_FILE} names it)"
+                )
+    else:
+        named = sorted(f for f in os.listdir(hf_dir) if f.endswith(".safetensors"))
+    for file_name in named:
+        path = os.path.join(hf_dir, file_name)
+        if os.path.isfile(path):
+            problem = _safetensors_file_problem(path)
+            if problem is not None:
+                problems.append(f"{path} {problem}")
+    return problems
+
+
+def _safetensors_file_problem(path: str) -> Optional[str]:
+    """Why the safetensors file ``path`` is damaged, or None. The format: an 8-byte little-endian
+    header length, a JSON header whose ``data_offsets`` locate each tensor, then the data."""
+    size = os.path.getsize(path)
+    with open(path, "rb") as file:
+        prefix = file.read(8)
+        if len(prefix) < 8:
+            return f"is truncated ({size} bytes: not even a header)"
+        header_length = int.from_bytes(prefix, "little")
+        if 8 + header_length > size:
+            return f"is truncated ({size} bytes; its header alone needs {8 + header_length})"
+        try:
+            header = json.loads(file.read(header_length))
+        except ValueError as error:
+            return f"has an unreadable header ({error})"
+    ends = [
+        entry["data_offsets"][1]
+        for name, entry in header.items()
+        if name != "__metadata__" and isinstance(entry, dict) and "data_offsets" in entry
+    ]
+    needed = 8 + header_length + max(ends, default=0)
+    if needed > size:
+        return f"is truncated ({size} bytes; its header describes {needed})"
+    return None
+
+
 class HFCheckpointReader:
     """Lazy access to the tensors of an HF model directory by on-disk name.
 
@@ -75,6 +130,12 @@ class HFCheckpointReader:
 
     def __init__(self, hf_dir: str):
         self.hf_dir = hf_dir
+        damaged = damaged_safetensors(hf_dir) if os.path.isdir(hf_dir) else []
+        if damaged:
+            raise ConversionError(
+                f"damaged model directory {hf_dir}: " + "; ".join(damaged) + ". Copy or "
+                "download the model again (or re-export it with tools/convert_checkpoint.py)"
+            )
         self.weight_map = self._weight_map(hf_dir)
         self._files: dict[str, object] = {}
 

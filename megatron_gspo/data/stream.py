@@ -27,12 +27,12 @@ from megatron_gspo.data.prompts import Prompt, PromptDataset, load_prompt_datase
 from megatron_gspo.data.synthetic import (
     EVAL_STREAM,
     NUM_DIGITS,
-    TOOL_TASKS,
     TRAIN_STREAM,
     check_task,
     draw_digits,
     task_example,
 )
+from megatron_gspo.data.tokenizer import TOOL_TASKS
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase

@@ -33,7 +33,15 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from megatron_gspo.data.tokenizer import EOS_TOKEN, EOS_TOKEN_ID, SEP_TOKEN, SEP_TOKEN_ID
+from megatron_gspo.config import ConfigError
+from megatron_gspo.data.tokenizer import (
+    EOS_TOKEN,
+    EOS_TOKEN_ID,
+    SEP_TOKEN,
+    SEP_TOKEN_ID,
+    TOOL_TASKS,
+    TOOL_TOKENS,
+)
 
 NUM_DIGITS = 8
 TRAIN_STREAM, EVAL_STREAM = 0, 1
@@ -61,9 +69,6 @@ SYNTHETIC_TASKS = {
 }
 """Task name -> function from the prompt's digits to the answer's digits."""
 
-TOOL_TASKS = ("multiply",)
-"""Tasks whose prompts and tools use the tool tokens (``tokenizer.TOOL_TOKENS``)."""
-
 TASK_SUMMARIES = {
     "digit_copy": "repeat 8 random digits",
     "digit_reversal": "reverse 8 random digits",
@@ -76,8 +81,6 @@ demo's in README, ``--help``, examples/moe/cpu_demo.yaml; tests/docs/test_docs.p
 
 def check_task(task: str) -> None:
     if task not in SYNTHETIC_TASKS:
-        from megatron_gspo.config import ConfigError
-
         raise ConfigError(
             "data.task",
             f"unknown synthetic task {task!r}",
@@ -99,8 +102,6 @@ def task_example(task: str, digits: Sequence[int]) -> tuple[list[int], str, str]
     check_task(task)
     answer = "".join(str(digit) for digit in SYNTHETIC_TASKS[task](list(digits)))
     if task in TOOL_TASKS:
-        from megatron_gspo.data.tokenizer import TOOL_TOKENS
-
         half = len(digits) // 2
         prompt_ids = [*digits[:half], TOOL_TOKENS["*"], *digits[half:], SEP_TOKEN_ID]
         text = "".join(map(str, digits[:half])) + "*" + "".join(map(str, digits[half:]))

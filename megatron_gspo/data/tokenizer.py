@@ -54,6 +54,8 @@ TOOL_TOKENS: dict[str, int] = {
     "</result>": 19,
     "<error>": 20,
 }
+TOOL_TASKS = ("multiply",)
+"""Synthetic tasks whose prompts and tools use :data:`TOOL_TOKENS`."""
 SEP_TOKEN_ID = SYNTHETIC_VOCAB[SEP_TOKEN]
 EOS_TOKEN_ID = SYNTHETIC_VOCAB[EOS_TOKEN]
 PAD_TOKEN_ID = SYNTHETIC_VOCAB[PAD_TOKEN]
@@ -169,8 +171,6 @@ def load_tokenizer(data: DataConfig, model: ModelConfig) -> tuple[PreTrainedToke
                 "reward depend on",
                 "remove data.tokenizer_path, or set data.train_path to a prompt file",
             )
-        from megatron_gspo.data.synthetic import TOOL_TASKS
-
         tokenizer = build_synthetic_tokenizer(with_tool_tokens=data.task in TOOL_TASKS)
         source = f"built-in synthetic tokenizer ({data.task})"
     else:

@@ -4,7 +4,7 @@ A checkpoint holds the policy weights (each chunk's ``sharded_state_dict``), the
 the learning-rate schedule, every rank's RNG states, the engine's step counters and an
 ``extra_state`` dict from the caller (data position, reward running moments: plain JSON data).
 The folder it lives in, how a save becomes complete atomically and how a damaged one is found:
-:mod:`megatron_gspo.checkpoint_files`.
+:mod:`megatron_gspo.runtime.checkpoint_files`.
 
 Optimizer state: one layout-independent format, written and read by
 :mod:`megatron_gspo.engine.optimizer_state` (why not Megatron's own: see there), so a checkpoint
@@ -33,7 +33,14 @@ import torch.distributed as dist
 from megatron.core import dist_checkpointing, tensor_parallel
 from megatron.core.dist_checkpointing.mapping import ShardedObject
 
-from megatron_gspo.checkpoint_files import (
+from megatron_gspo.config import to_dict
+from megatron_gspo.engine.compat import MEGATRON_CORE_VERSION, cuda_available
+from megatron_gspo.engine.optimizer_state import (
+    apply_optimizer_state,
+    optimizer_load_request,
+    optimizer_sharded_state,
+)
+from megatron_gspo.runtime.checkpoint_files import (
     FORMAT,
     CheckpointError,
     new_save_directory,
@@ -43,14 +50,7 @@ from megatron_gspo.checkpoint_files import (
     step_directory,
     whole_checkpoint,
 )
-from megatron_gspo.config import to_dict
-from megatron_gspo.engine.compat import MEGATRON_CORE_VERSION, cuda_available
-from megatron_gspo.engine.optimizer_state import (
-    apply_optimizer_state,
-    optimizer_load_request,
-    optimizer_sharded_state,
-)
-from megatron_gspo.lifetime import die_with_parent, forks_die_with_parent
+from megatron_gspo.runtime.lifetime import die_with_parent, forks_die_with_parent
 
 logger = logging.getLogger(__name__)
 
@@ -100,7 +100,7 @@ def _on_rank_zero(function, *args) -> Any:
 
 
 def resumable_checkpoint(root_dir: str) -> Optional[str]:
-    """The checkpoint a resume loads: :func:`~megatron_gspo.checkpoint_files.whole_checkpoint`
+    """The checkpoint a resume loads: :func:`~megatron_gspo.runtime.checkpoint_files.whole_checkpoint`
     (the latest, or the newest older whole one when its files are damaged). Collective when
     torch.distributed is initialised (rank 0 decides for all)."""
     if dist.is_initialized():
@@ -251,7 +251,7 @@ def _start_writer_result_queue() -> None:
     a manager process (277 MB on the CPU demo) that lives as long as the trainer and survives a
     SIGKILL of it. Megatron creates the queue only while its module global is None; we fill the
     global first with a queue whose manager asks for SIGKILL when the trainer dies
-    (:func:`megatron_gspo.lifetime.die_with_parent`). A version without that global is left
+    (:func:`megatron_gspo.runtime.lifetime.die_with_parent`). A version without that global is left
     alone (tests/e2e/test_cleanup.py fails if its writer outlives the trainer).
     """
     global _writer_manager

@@ -7,16 +7,17 @@ is available, and every shim is idempotent. Each shim names the upstream functio
 declares the megatron-core versions that need it; ``tests/engine`` has a test per shim that fails
 when an upstream change makes it unnecessary or ineffective.
 
-The shims themselves live in two modules that register them here (:func:`cpu_shim`) and are
-loaded by :func:`apply_cpu_shims`: ``engine/cpu_shims.py``, what Megatron needs to run on CPU at
+The shims themselves live in two modules that register them with
+:func:`~megatron_gspo.engine.shim_registry.cpu_shim` (the registry and the version declarations,
+below all three modules) and are imported here: ``engine/cpu_shims.py``, what Megatron needs to run on CPU at
 all, and ``engine/cpu_speed_shims.py``, the four for speed alone (7b, 11, 12, 13: bit-identical
 results; benchmarks/README.md, "vs TRL", has their measurements). Section numbers are those of
 ``docs/megatron-cpu.md`` ("The CPU shims"), which says why each exists.
 
 Version differences are guarded here and in those two modules, nowhere else. Each shim (and each
 part of one, such as a module of ``cpu_shims.CUDA_ALLOCATING_MODULES``) declares the megatron-core
-versions whose upstream code needs it (:class:`NeededOn`); :func:`needed_here` is the one
-comparison with the installed version, and :func:`apply_cpu_shims` applies only what it says is
+versions whose upstream code needs it (``shim_registry.NeededOn``); ``shim_registry.needed_here`` is
+the one comparison with the installed version, and :func:`apply_cpu_shims` applies only what it says is
 needed. ``tests/engine/test_compat.py`` checks every declaration on the installed version, and CI
 runs it on each of :data:`CHECKED_VERSIONS`. Differences that are not shims are detected by
 feature: :func:`has_router_replay`, :func:`gpt_postprocess_parameters`.
@@ -31,59 +32,27 @@ from __future__ import annotations
 
 import inspect
 import logging
-import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Optional
 
 import megatron.core
 import torch
-from megatron.core import package_info
 from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
 
+# The shim modules register their shims with the registry on import.
+from megatron_gspo.engine import cpu_shims, cpu_speed_shims  # noqa: F401
+from megatron_gspo.engine.cpu_shims import CUDA_ALLOCATING_MODULES, SequenceParallelTorchNorm
+from megatron_gspo.engine.shim_registry import (
+    CHECKED_VERSIONS,
+    MEGATRON_CORE_VERSION,
+    SHIMS,
+    NeededOn,
+    Shim,
+    needed_here,
+)
+
 logger = logging.getLogger(__name__)
-
-
-def parse_version(text: str) -> tuple[int, int, int]:
-    """``"0.17.1"`` -> ``(0, 17, 1)`` (pre-release and local suffixes are not part of it)."""
-    major, minor, patch = (text.split("+")[0].split(".") + ["0", "0"])[:3]
-    return int(major), int(minor), int(re.match(r"\d*", patch).group() or 0)
-
-
-MEGATRON_CORE_VERSION: tuple[int, int, int] = tuple(int(v) for v in package_info.VERSION[:3])
-"""(major, minor, patch) of the installed megatron-core."""
-
-OLDEST_SUPPORTED_VERSION = "0.16.1"
-"""The oldest megatron-core megatron_gspo runs on (the first with ``RouterReplay``; setup.py's
-lower bound)."""
-
-CHECKED_VERSIONS = ("0.16.1", "0.17.1")
-"""Every megatron-core version CI runs, each shim's declaration checked on it: 0.16.1 (Python
-3.11 job; the newest for Python 3.11) and 0.17.1 (Python 3.12 job; the Docker image's). The
-Python 3.12 job is ``.ci/run --py312``; docs/architecture.md has the versions policy."""
-
-
-@dataclass(frozen=True)
-class NeededOn:
-    """The megatron-core versions whose upstream code needs a shim: ``since <= version <
-    fixed_in`` (``fixed_in=None``: no release has fixed it yet)."""
-
-    since: str = OLDEST_SUPPORTED_VERSION
-    fixed_in: str | None = None
-
-    def __contains__(self, version: tuple[int, int, int]) -> bool:
-        return parse_version(self.since) <= version and (
-            self.fixed_in is None or version < parse_version(self.fixed_in)
-        )
-
-    def __str__(self) -> str:
-        return f">= {self.since}" + (f", < {self.fixed_in}" if self.fixed_in else "")
-
-
-def needed_here(needed: NeededOn) -> bool:
-    """Whether the installed megatron-core is one of ``needed``'s versions: the only place the
-    installed version decides what gets patched."""
-    return MEGATRON_CORE_VERSION in needed
 
 
 def cuda_available() -> bool:
@@ -117,58 +86,22 @@ def gpt_postprocess_parameters() -> tuple[str, ...]:
 
 
 # ---------------------------------------------------------------------------------------------
-# Shim registry
+# Applying the registered shims
 # ---------------------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class Shim:
-    name: str
-    upstream: str
-    """The upstream function(s) or call sites the shim covers."""
-    apply: Callable[[], None]
-    needed: NeededOn
-    """The megatron-core versions whose upstream code needs it."""
-
-
-_SHIMS: list[Shim] = []
 _APPLIED: list[str] = []
 _ACTIVE = False
 
 
-def cpu_shim(
-    name: str, upstream: str, needed: NeededOn | None = None
-) -> Callable[[Callable[[], None]], Callable[[], None]]:
-    """Register a shim, needed on ``needed`` (default: every supported version so far); its
-    docstring gains the upstream place and those versions."""
-    needed = needed or NeededOn()
-
-    def register(function: Callable[[], None]) -> Callable[[], None]:
-        function.__doc__ = (
-            f"{(function.__doc__ or '').strip()}\n\nCovers: {upstream}.\n"
-            f"Needed on megatron-core {needed} (checked on {', '.join(CHECKED_VERSIONS)})."
-        )
-        _SHIMS.append(Shim(name, upstream, function, needed))
-        return function
-
-    return register
-
-
-def _load_shims() -> None:
-    """Import the shim modules; each registers its shims with :func:`cpu_shim` on import."""
-    from megatron_gspo.engine import cpu_shims, cpu_speed_shims  # noqa: F401
-
-
 def registered_shims() -> list[Shim]:
-    _load_shims()
-    return list(_SHIMS)
+    """Every shim of the two shim modules (each registers its shims on import, above)."""
+    return list(SHIMS)
 
 
 def declared_needs() -> dict[str, bool]:
     """Whether each shim, and each part of one, is declared needed on the installed version.
     Parts are named ``shim[part]``; ``tests/engine/test_compat.py`` probes every entry."""
-    from megatron_gspo.engine.cpu_shims import CUDA_ALLOCATING_MODULES, SequenceParallelTorchNorm
-
     needs = {shim.name: needed_here(shim.needed) for shim in registered_shims()}
     needs.update(
         (f"cuda_allocations[{module}]", needed_here(needed))

@@ -1,6 +1,6 @@
 """The CPU shims: what Megatron-Core needs to run on a machine without a GPU at all.
 
-Each is registered with :func:`megatron_gspo.engine.compat.cpu_shim` (the upstream place it
+Each is registered with :func:`megatron_gspo.engine.shim_registry.cpu_shim` (the upstream place it
 covers, the megatron-core versions that need it) and applied by
 :func:`~megatron_gspo.engine.compat.apply_cpu_shims`, only when CUDA is absent. Section numbers
 are those of ``docs/megatron-cpu.md`` ("The CPU shims"), which says why each exists; the shims
@@ -18,7 +18,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from megatron_gspo.engine.compat import NeededOn, cpu_shim, needed_here
+from megatron_gspo.engine.shim_registry import NeededOn, cpu_shim, needed_here
 
 # ---------------------------------------------------------------------------------------------
 # 1. torch.cuda.current_device
@@ -248,15 +248,18 @@ def _with_tensor_method(function: Callable, name: str, replacement: Callable) ->
     return (the patch is scoped to the upstream call that needs it)."""
     if getattr(function, "_cpu_shim", False):
         return function
-    real = getattr(torch.Tensor, name)
 
     @functools.wraps(function)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
+        # Restore what was there at the call, not at wrapping: a shimmed function may call
+        # another (DistributedOptimizer.__init__ calls _build_model_and_main_param_groups), and
+        # the inner one must not end the outer one's patch.
+        previous = getattr(torch.Tensor, name)
         setattr(torch.Tensor, name, replacement)
         try:
             return function(*args, **kwargs)
         finally:
-            setattr(torch.Tensor, name, real)
+            setattr(torch.Tensor, name, previous)
 
     wrapper._cpu_shim = True
     return wrapper
@@ -288,6 +291,34 @@ def _shim_tensor_type() -> None:
     if not getattr(function, "_cpu_shim", False):
         wrapped = _with_cuda_type_names(function)
         cls._build_model_and_main_param_groups = descriptor(wrapped) if descriptor else wrapped
+
+
+# ---------------------------------------------------------------------------------------------
+# 5c. The same type names in the mixed-precision optimizers' constructors (bf16 runs)
+# ---------------------------------------------------------------------------------------------
+
+MIXED_PRECISION_OPTIMIZER_INITS = (
+    ("megatron.core.optimizer.optimizer", "Float16OptimizerWithFloat16Params"),
+    ("megatron.core.optimizer.distrib_optimizer", "DistributedOptimizer"),
+)
+"""(module, class) whose ``__init__`` sorts the parameters by ``param.type()`` under CUDA names."""
+
+
+@cpu_shim(
+    "mixed_precision_type_names",
+    "optimizer.Float16OptimizerWithFloat16Params.__init__ (model.dtype=bfloat16: keeps an fp32 "
+    "main copy only of 'torch.cuda.BFloat16Tensor' parameters and raises 'Wrapped parameters must "
+    "be one of torch.cuda.FloatTensor...' for CPU ones) and DistributedOptimizer.__init__ (marks "
+    "'torch.cuda.BFloat16Tensor' parameters as having sharded fp32 main params)",
+)
+def _shim_mixed_precision_type_names() -> None:
+    """bf16 on CPU: while those two constructors run, ``Tensor.type()`` names CPU tensors as
+    CUDA ones, so bf16 parameters get Megatron's fp32 main parameters as on a GPU."""
+    import importlib
+
+    for module_name, class_name in MIXED_PRECISION_OPTIMIZER_INITS:
+        cls = getattr(importlib.import_module(module_name), class_name)
+        cls.__init__ = _with_cuda_type_names(cls.__init__)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -4,7 +4,7 @@ router's no-op expert-bias update; 11: the local experts without per-expert modu
 ``engine/experts.py``; 12: packed RoPE tables once per micro-batch; 13: no gradient all-reduce
 over a data-parallel group of one; 14: no per-step walk over every module when nothing is to be
 reset; 15: no grad-norm all-reduce over a model-parallel group of one). Registered like the others
-(:func:`megatron_gspo.engine.compat.cpu_shim`); section numbers and reasons:
+(:func:`megatron_gspo.engine.shim_registry.cpu_shim`); section numbers and reasons:
 ``docs/megatron-cpu.md``; measurements: benchmarks/README.md, "vs TRL".
 """
 
@@ -19,7 +19,8 @@ from typing import Any
 
 import torch
 
-from megatron_gspo.engine.compat import cpu_shim
+from megatron_gspo.engine import experts
+from megatron_gspo.engine.shim_registry import cpu_shim
 
 logger = logging.getLogger(__name__)
 
@@ -61,7 +62,6 @@ SEQUENTIAL_MLP_FORWARD_PARAMETERS = (
 def _with_batched_experts(forward: Callable) -> Callable:
     if getattr(forward, "_cpu_shim", False):
         return forward
-    from megatron_gspo.engine import experts
 
     @functools.wraps(forward)
     def batched_forward(self: Any, hidden: Any, tokens_per_expert: Any, probs: Any, *args, **kw):

@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_gspo.config import ModelConfig, TrainConfig
+from megatron_gspo.convert.export import DEFAULT_MAX_SHARD_BYTES, save_hf_checkpoint
 from megatron_gspo.convert.hf_config import model_config_from_hf, read_hf_config
 from megatron_gspo.convert.mapping import (
     ConversionError,
@@ -34,6 +35,8 @@ from megatron_gspo.convert.mapping import (
     parameter_sort_key,
 )
 from megatron_gspo.convert.safetensors_io import HFCheckpointReader
+from megatron_gspo.engine.model import build_policy_model
+from megatron_gspo.engine.parallel import initialize_parallel
 from megatron_gspo.engine.sharding import (
     REPLICATED,
     ShardInfo,
@@ -41,7 +44,7 @@ from megatron_gspo.engine.sharding import (
     iter_global_parameters,
     shard_full_tensor,
 )
-from megatron_gspo.rollout.types import StableTensorStream
+from megatron_gspo.weight_sync import StableTensorStream
 
 if TYPE_CHECKING:
     from megatron_gspo.convert.export import ExportSummary
@@ -247,7 +250,7 @@ def iter_hf_weights(
     them), the HF export
     (:func:`export_hf_checkpoint` writes it). Clone what you keep longer.
 
-    Returned as a :class:`~megatron_gspo.rollout.types.StableTensorStream`: no tensor is
+    Returned as a :class:`~megatron_gspo.weight_sync.StableTensorStream`: no tensor is
     reused or changed while the stream is drained (gathered ones are fresh per parameter), so a
     receiver may hold references until its load returns instead of staging copies.
     """
@@ -296,9 +299,6 @@ def save_hf_weights_as_torch_dist(cfg: TrainConfig, hf_dir: str, out_dir: str) -
     it and save a Megatron ``torch_dist`` checkpoint in ``out_dir`` (a collective; one process or
     torchrun). ``cfg.model`` must already be completed from ``hf_dir`` (``resolve_model_config``).
     """
-    from megatron_gspo.engine.model import build_policy_model
-    from megatron_gspo.engine.parallel import initialize_parallel
-
     state = initialize_parallel(cfg.parallel, cfg.seed)
     chunks = build_policy_model(cfg, state, routing_replay=False)
     report = load_hf_weights(chunks, hf_dir, cfg)
@@ -321,8 +321,6 @@ def export_hf_checkpoint(
     (:func:`iter_hf_weights`), which writes safetensors shards, ``config.json`` and, from
     ``origin_hf``, the tokenizer files (atomically). Returns the summary on rank 0, None elsewhere.
     """
-    from megatron_gspo.convert.export import DEFAULT_MAX_SHARD_BYTES, save_hf_checkpoint
-
     model = _model_config(config)
     stream = iter_hf_weights(model_chunks, model, dst=0)
     rank = dist.get_rank() if dist.is_initialized() else 0

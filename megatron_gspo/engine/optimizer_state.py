@@ -46,7 +46,7 @@ from megatron.core.dist_checkpointing.optimizer import make_sharded_optimizer_te
 from megatron.core.dist_checkpointing.utils import extract_sharded_tensors_and_factories
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
-from megatron_gspo.checkpoint_files import CheckpointError
+from megatron_gspo.runtime.checkpoint_files import CheckpointError
 
 
 @dataclass

@@ -19,7 +19,7 @@ at the forced indices, so the router keeps its gradient; the load-balancing loss
 0.16 uses its own top-k of the router logits, not the replayed one (replayed routes change which
 experts compute, not that loss).
 
-Sources. Routes are ``[L - 1, M, K]`` per sample (the format of :mod:`megatron_gspo.routes`).
+Sources. Routes are ``[L - 1, M, K]`` per sample (the format of :mod:`megatron_gspo.samples.routes`).
 The sample declares both kinds: ``TrainSample.rollout_routes`` from the rollout engine and
 ``TrainSample.old_routes``, recorded natively by the old-log-prob forward
 (``forward_log_probs(record_routes=True)`` returns them; the stage that calls it stores them). The
@@ -29,7 +29,7 @@ Layout. The packer feeds exactly the ``L - 1`` input positions (``tokens[:-1]``:
 predicts nothing), so the rollout engine's ``L - 1`` rows cover every input position and **no
 row is missing**: the last-token problem of verl/slime (they feed all ``L`` tokens) does not arise
 here. Only the THD padding of each sequence (to the multiple tp/cp need) and filler micro-batches
-have no route; they get the distinct, balanced ids of :func:`~megatron_gspo.routes.
+have no route; they get the distinct, balanced ids of :func:`~megatron_gspo.samples.routes.
 balanced_pad_routes`; their outputs reach no real token (causal attention, padding at sequence
 ends) and padding is excluded from the load-balancing statistics. Routes go through the same
 steps as the input ids: THD packing (:meth:`PackedSequences.full_row`), the context-parallel
@@ -73,9 +73,15 @@ from megatron.core.transformer.moe.router_replay import RouterReplayAction
 
 from megatron_gspo.config import TrainConfig
 from megatron_gspo.engine.compat import PolicyRouterReplay, RoutingReplayError
+from megatron_gspo.engine.model import unwrap
 from megatron_gspo.engine.parallel import ParallelState
-from megatron_gspo.routes import balanced_pad_routes, check_routes, route_dtype, topk_sets_differ
 from megatron_gspo.samples import TrainSample
+from megatron_gspo.samples.routes import (
+    balanced_pad_routes,
+    check_routes,
+    route_dtype,
+    topk_sets_differ,
+)
 
 if TYPE_CHECKING:
     from megatron_gspo.engine.batches import MicroBatch
@@ -386,8 +392,6 @@ class RoutingPass:
     # -- per forward ------------------------------------------------------------------------
 
     def _routers(self, chunk: torch.nn.Module) -> list[PolicyRouterReplay]:
-        from megatron_gspo.engine.model import unwrap
-
         return self.routing.routers[id(unwrap(chunk))]
 
     def before_forward(self, chunk: torch.nn.Module, micro_batch: MicroBatch) -> None:

@@ -37,7 +37,7 @@ from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
 
-from megatron_gspo.algo import finish_correction_metrics, policy_loss
+from megatron_gspo.algo import finish_correction_metrics, policy_loss, policy_loss_settings
 from megatron_gspo.config import TrainConfig
 from megatron_gspo.engine.batches import (
     GlobalDenominators,
@@ -47,7 +47,9 @@ from megatron_gspo.engine.batches import (
     plan_mini_batch,
     validate_samples,
 )
+from megatron_gspo.engine.checkpoint import stop_writer_result_queue
 from megatron_gspo.engine.compat import cuda_available
+from megatron_gspo.engine.hf_import_export import iter_hf_weights
 from megatron_gspo.engine.logprobs import vocab_parallel_log_probs
 from megatron_gspo.engine.model import (
     PolicyModel,
@@ -61,11 +63,11 @@ from megatron_gspo.engine.parallel import ParallelState, all_reduce, initialize_
 from megatron_gspo.engine.routing_replay import PolicyRouting, RoutingPass, check_never_replays
 from megatron_gspo.engine.sharding import initialize_weights_from_seed
 from megatron_gspo.engine.step_metrics import load_balancing_loss, reduce_loss_metrics
-from megatron_gspo.health import RunStopped
+from megatron_gspo.runtime.health import RunStopped
 from megatron_gspo.samples import TrainSample
 
 if TYPE_CHECKING:
-    from megatron_gspo.rollout.types import StableTensorStream
+    from megatron_gspo.weight_sync import StableTensorStream
 
 logger = logging.getLogger(__name__)
 
@@ -125,7 +127,7 @@ class TrainEngine:
         copies) and the reference model copy are made. To change weights later, go through
         the checkpoint loader, then :meth:`copy_policy_to_reference` if needed."""
         self.cfg = cfg
-        self.loss_settings = cfg.algo.policy_loss_settings()
+        self.loss_settings = policy_loss_settings(cfg.algo)
         self.parallel = parallel or initialize_parallel(
             cfg.parallel, cfg.seed, timeout_minutes=cfg.parallel.collective_timeout_minutes
         )
@@ -164,8 +166,6 @@ class TrainEngine:
         """Stop the process the first checkpoint save started (Megatron's writer result queue),
         so that a run that ends while its process goes on leaves no child behind. The models and
         process groups stay usable."""
-        from megatron_gspo.engine.checkpoint import stop_writer_result_queue
-
         stop_writer_result_queue()
 
     def __enter__(self) -> TrainEngine:
@@ -184,8 +184,6 @@ class TrainEngine:
         """The policy's weights as full tensors under Hugging Face names, for the rollout
         engine (:func:`~megatron_gspo.engine.hf_import_export.iter_hf_weights`: on global rank 0).
         Collective: every rank must drain the stream (gathering shards)."""
-        from megatron_gspo.engine.hf_import_export import iter_hf_weights
-
         return iter_hf_weights(self.policy_chunks, self.cfg)
 
     @torch.no_grad()

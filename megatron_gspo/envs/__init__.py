@@ -1,12 +1,10 @@
-"""Environments: multi-turn rollouts with tools, token in and token out (docs/agentic.md).
-No Megatron import.
+"""Environments: what an environment author reads and writes (docs/agentic.md). No Megatron import.
 
-The trainer's calls::
-
-    factory = load_environment(EnvironmentSpec(cfg.env.name, cfg.env.options))
-    producer = EnvironmentProducer(rollout_engine, task, rewards, cfg, factory=factory)
-    scored = producer.produce(prompts, step)        # a SampleProducer (production.py)
-    sample = demonstration_sample(factory, prompt, task, cfg)   # supervised cold start
+An environment answers a model turn with an observation, a reward part and whether the episode is
+done (:class:`Environment`, :class:`EnvStart`, :class:`EnvStep`, :class:`Turn`); it is named in the
+configuration (``env.name``: a built-in or ``package.module:factory``) and loaded with
+:func:`load_environment`. The trainer runs the episodes: :mod:`megatron_gspo.production.episodes`
+(token in, token out; per-turn routes and limits).
 """
 
 from megatron_gspo.envs.base import (
@@ -20,13 +18,6 @@ from megatron_gspo.envs.base import (
     load_environment,
     make_environment,
 )
-from megatron_gspo.envs.rollout import (
-    EnvironmentProducer,
-    Trajectory,
-    demonstration_sample,
-    demonstration_samples,
-    episode_metrics,
-)
 
 __all__ = [
     "BUILTIN_ENVIRONMENTS",
@@ -34,13 +25,8 @@ __all__ = [
     "EnvStep",
     "Environment",
     "EnvironmentFactory",
-    "EnvironmentProducer",
     "EnvironmentSpec",
-    "Trajectory",
     "Turn",
-    "demonstration_sample",
-    "demonstration_samples",
-    "episode_metrics",
     "load_environment",
     "make_environment",
 ]

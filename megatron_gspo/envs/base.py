@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Optional
 
 from megatron_gspo.config import ConfigError
-from megatron_gspo.import_paths import load_named_callable
+from megatron_gspo.config.import_paths import load_named_callable
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase

@@ -28,6 +28,10 @@ SANDBOX_UID = 65534
 """The sandbox's user and group id inside (and, under a root trainer, outside): nobody."""
 SCRATCH = "/sandbox"
 """The writable directory (and working directory) as the sandboxed code sees it."""
+HOST_PROC = "/run/host-proc"
+"""Where a root trainer's outer bwrap shows the host's /proc to the inner bwrap (only to it): the
+kernel lets a user namespace mount a fresh /proc only where some /proc is fully visible, and
+the outer bwrap's own /proc has read-only covers on /proc/sys and others."""
 
 
 class SandboxUnavailableError(RuntimeError):
@@ -111,9 +115,12 @@ def sandbox_command(
 
     ``files``: name -> descriptor of the files copied into the scratch directory (a tmpfs of
     ``scratch_bytes``; ``/dev/shm`` gets one of the same size, the rest of /dev is read-only).
+    ``info_fd``: where the bwrap that runs in this process's PID namespace writes the pid of the
+    init whose exit ends the call (:func:`open_sandbox_init`).
     """
     bwrap, options = bwrap_features(bwrap_path())
     sized = ["--size", str(scratch_bytes)] if "--size" in options else []
+    nested = os.geteuid() == 0
     inner = [
         bwrap,
         "--unshare-all",
@@ -128,9 +135,9 @@ def sandbox_command(
         "ALL",
         "--hostname",
         "sandbox",
-        "--info-fd",
-        str(info_fd),
     ]
+    if not nested:
+        inner += ["--info-fd", str(info_fd)]
     if "--disable-userns" in options:  # bubblewrap >= 0.8; the seccomp filter also covers it
         inner.append("--disable-userns")
     if seccomp_fd is not None:
@@ -142,28 +149,40 @@ def sandbox_command(
     # The new root and /dev are tmpfs mounts too: read-only, so that the two sized tmpfs mounts
     # are the only places to write.
     inner += ["--remount-ro", "/dev", "--remount-ro", "/", "--chdir", SCRATCH, "--", *program]
-    if os.geteuid() != 0:
+    if not nested:
         return inner
     setpriv = shutil.which("setpriv") or "/usr/bin/setpriv"
-    # The host /proc is mounted (read-write: the inner bwrap writes its child's uid_map there)
-    # for the inner bwrap only; the code gets a /proc of its own.
+    # The outer bwrap has a PID namespace of its own, and its init is the process whose end ends
+    # the call: when that init exits or is killed, the kernel kills every process of its
+    # namespace, the inner sandbox's included, whatever their uid. The parent-death signal
+    # cannot do that across the uid change: the outer bwrap, root without capabilities, is not
+    # allowed to signal host uid 65534, so a SIGKILLed reward worker used to leave the inner
+    # bwrap and the program running. Its own /proc goes with it (the inner bwrap reads and
+    # writes its child's entries there); the code gets a /proc of its own again. /tmp (bwrap's
+    # own mount point inside) is a fresh tmpfs mounted *before* the view: a Python installation
+    # under /tmp (a virtual environment there) is then bound on top of it, not hidden below it.
     outer = [
         bwrap,
+        "--unshare-pid",
         "--die-with-parent",
+        "--info-fd",
+        str(info_fd),
         "--cap-drop",
         "ALL",
         "--cap-add",
         "CAP_SETUID",
         "--cap-add",
         "CAP_SETGID",
-        *system_view(),
-        "--bind",
-        "/proc",
-        "/proc",
-        "--dev",
-        "/dev",
         "--tmpfs",
         "/tmp",
+        *system_view(),
+        "--proc",
+        "/proc",
+        "--bind",
+        "/proc",
+        HOST_PROC,
+        "--dev",
+        "/dev",
         "--",
         setpriv,
         f"--reuid={SANDBOX_UID}",
@@ -202,25 +221,39 @@ def open_sandbox_init(process: subprocess.Popen, info_read: int, deadline: float
     return None
 
 
-def end_sandbox(init: Optional[int], kill: bool) -> None:
-    """Wait until every process of the sandbox is gone, after killing them if ``kill``.
+def end_sandbox(process: subprocess.Popen, init: Optional[int], kill: bool) -> None:
+    """Wait until every process of the sandbox is gone, after killing them if ``kill``; then
+    wait for ``process`` (the bwrap started) and reap the sandbox's init if it came back to
+    this process.
 
     bwrap exits as soon as the program's first process does; the kernel then kills the rest of
     the PID namespace, and its init exits only when all of them are reaped. So the init's exit
-    (its pidfd becoming readable) is the moment nothing of the call is left."""
-    if init is None:
-        return
+    (its pidfd becoming readable) is the moment nothing of the call is left. By then the init's
+    parent (a bwrap) is gone, and the init was re-parented to the nearest subreaper or to PID 1.
+    Where that is this process (a reward worker is a subreaper; a trainer may be a container's
+    PID 1) nothing else would ever reap it, and each call would leave a zombie: it is reaped
+    here; anywhere else its new parent does that."""
     try:
-        if kill:
-            with contextlib.suppress(ProcessLookupError):
-                signal.pidfd_send_signal(init, signal.SIGKILL)
-        if not select.select([init], [], [], 10.0)[0]:
-            signal.pidfd_send_signal(init, signal.SIGKILL)
-            select.select([init], [], [], 10.0)
-    except OSError:
-        pass
+        if init is not None:
+            try:
+                if kill:
+                    with contextlib.suppress(ProcessLookupError):
+                        signal.pidfd_send_signal(init, signal.SIGKILL)
+                if not select.select([init], [], [], 10.0)[0]:
+                    signal.pidfd_send_signal(init, signal.SIGKILL)
+                    select.select([init], [], [], 10.0)
+            except OSError:
+                pass
+        # bwrap's own session (start_new_session): whatever of it is left.
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
+        if init is not None:
+            with contextlib.suppress(OSError):  # ChildProcessError: not ours to reap
+                os.waitid(os.P_PIDFD, init, os.WEXITED | os.WNOHANG)
     finally:
-        os.close(init)
+        if init is not None:
+            os.close(init)
 
 
 def bwrap_path() -> Optional[str]:

@@ -1,9 +1,9 @@
 """Code reward: run the response's Python against the sample's tests, only in the sandbox
 (:mod:`megatron_gspo.reward.sandbox`), and score only what the sandbox cannot fake.
 
-``metadata[tests_key]`` (``tests`` by default) holds the tests in one of three forms. The first
-two are judged outside the sandbox, against expected values that never enter it, so the
-response's code can pass them only by computing the right answers:
+``metadata[tests_key]`` (``tests`` by default) holds the tests in one of three forms. Each is
+judged outside the sandbox wherever it can be, against expected values that never enter it, so
+the response's code can pass only by computing the right answers:
 
 - **stdin/stdout cases** (APPS, CodeContests, LiveCodeBench stdin problems): a list of
   ``{"input": str, "output": str}``, or ``{"inputs": [str, ...], "outputs": [str, ...]}``. The
@@ -17,33 +17,50 @@ response's code can pass them only by computing the right answers:
   prints each return value as JSON; outside, a case passes when the JSON value equals
   ``outputs[i]`` exactly (tuples compare as lists; no float tolerance). Score: the fraction.
 - **test code** (HumanEval's ``check``, MBPP's ``test_list``): a string of Python, or a list of
-  strings joined into one. The program and then the tests run in one namespace (``__main__``)
-  under a driver, which prints a random per-call token as the last line of stdout only after
-  the last test returned; 1.0 when the run exits with status 0 and the token is the last line,
-  else 0.0. An early ``sys.exit(0)``/``os._exit(0)``, an exception swallowed at exit or a killed
-  process scores 0. This form cannot be judged outside: the tests' expected values run in the
-  same interpreter as the code, which can also introspect the interpreter (read the token from
-  memory, return objects whose ``==`` is always true). Prefer the two forms above for RL against
-  a policy that searches for exploits; ``docs/code-sandbox.md`` has the details.
+  strings joined into one. Score: 1.0 when every test passes, else 0.0.
+
+  *Assertions* (:func:`assertion_checks`): test code made of ``assert`` statements that compare
+  a value of the program with an expected value written in the test (a literal, or builtins
+  such as ``set``/``sorted`` applied to literals), ``assert value``/``assert not value``,
+  ``abs(value - expected) < tolerance`` and ``math.isclose``, with ``import`` lines, or
+  HumanEval's ``def check(candidate): <such asserts>`` followed by ``check(name)``. Only the
+  value side of each assertion runs in the sandbox (after the program, in its namespace, with
+  the builtins as they were before it ran); the values come out as JSON of plain data (tuples,
+  sets and dictionaries tagged, subclasses of the builtin types converted to them, anything
+  else refused) and each comparison runs here. An object whose ``==`` is always true, a frame
+  walk to the driver, a shadowed ``abs`` or a replaced ``traceback.print_exc`` cannot change a
+  comparison that does not run in its interpreter.
+
+  *Other test code* (loops, helper functions, expected values computed by the test) runs with
+  the program in one interpreter under a driver, which prints a random per-call token as the
+  last line of stdout only after the last test returned: 1.0 when the run exits with status 0
+  and the token is the last line. An early ``sys.exit(0)``/``os._exit(0)``, an exception
+  swallowed at exit or a killed process scores 0, but a program that introspects the
+  interpreter (reads the token from memory, returns objects whose ``==`` is always true) can
+  forge a pass: ``docs/code-sandbox.md`` has the details. Convert such data into one of the
+  forms above for RL against a policy that searches for exploits.
 
 A response without code scores 0; a sample without tests, or with tests in none of these forms,
-raises (a data error, counted by the runner). Each sandboxed run gets ``timeout_s`` of wall
-clock and CPU: one run per stdin/stdout case, one run for the function-call cases, one for test
-code; keep ``reward.timeout_s`` above ``timeout_s`` x cases. Where the kernel cannot isolate
-code, the call raises :class:`~megatron_gspo.reward.sandbox.SandboxUnavailableError` (and the
-runner stops at start, see :func:`check_code_reward`); ``isolation="none"`` runs it without
-isolation, for trusted code only.
+raises (a data error, counted by the runner), as does an expected output longer than the output
+limit (``max_output_mb``, 16 MB: the most a program may write, and all of it is compared). Each
+sandboxed run gets ``timeout_s`` of wall clock and CPU: one run per stdin/stdout case, one run
+for the function-call cases, one for test code; keep ``reward.timeout_s`` above ``timeout_s`` x
+cases. Where the kernel cannot isolate code, the call raises
+:class:`~megatron_gspo.reward.sandbox.SandboxUnavailableError` (and the runner stops at start, see
+:func:`check_code_reward`); ``isolation="none"`` runs it without isolation, for trusted code only.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import re
 import secrets
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 from megatron_gspo.config import ConfigError
+from megatron_gspo.reward import assertions
 from megatron_gspo.reward.functions import RewardInput
 from megatron_gspo.reward.sandbox import (
     ISOLATION_MODES,
@@ -52,6 +69,8 @@ from megatron_gspo.reward.sandbox import (
     check_isolation,
     run_python,
 )
+
+logger = logging.getLogger(__name__)
 
 _FENCE = re.compile(r"```[ \t]*([A-Za-z0-9_+-]*)[ \t]*\n(.*?)```", re.DOTALL)
 
@@ -160,9 +179,13 @@ def code_reward(
     tests_key: str = "tests",
     isolation: str = "bubblewrap",
     max_processes: int = 8,
+    max_output_mb: int = 16,
 ) -> float:
     """Score of the response's code on the sample's tests (forms and scores in the module
-    docstring). A response without code scores 0; a sample without tests raises (a data error)."""
+    docstring). A response without code scores 0; a sample without tests raises (a data error).
+
+    ``max_output_mb``: the most a program may write (each file, stdout and stderr included), all
+    of which is read back and compared; an expected output longer than that raises."""
     tests = sample.metadata.get(tests_key)
     if tests is None:
         raise ValueError(
@@ -170,6 +193,12 @@ def code_reward(
             f"{sorted(sample.metadata)})"
         )
     form = _test_form(tests, tests_key)
+    if max_output_mb <= 0:
+        raise ValueError(f"the code reward's max_output_mb must be > 0, got {max_output_mb}")
+    if form == "stdio":
+        if isinstance(tests, Mapping):
+            tests = [{"input": i, "output": o} for i, o in zip(tests["inputs"], tests["outputs"])]
+        _check_expected_outputs(tests, max_output_mb)
     code = extract_code(sample.response)
     if not code.strip():
         return 0.0
@@ -179,18 +208,23 @@ def code_reward(
         memory_mb=memory_mb,
         max_processes=max_processes,
         isolation=isolation,
+        # What the program may write is what is read back: a correct answer is never cut.
+        max_file_mb=max_output_mb,
+        max_output_bytes=max_output_mb * 1024 * 1024,
     )
     if form == "stdio":
-        if isinstance(tests, Mapping):
-            tests = [{"input": i, "output": o} for i, o in zip(tests["inputs"], tests["outputs"])]
         passed = 0
         for case in tests:
             result = run_python(code, stdin=str(case["input"]), limits=limits)
+            _note_truncation(result.output_truncated, max_output_mb)
             passed += result.passed and _same_output(result.stdout, str(case["output"]))
         return passed / len(tests)
     if form == "function_call":
         return _function_call_score(code, tests, limits)
     test_code = tests if isinstance(tests, str) else "\n".join(tests)
+    judged_outside = assertions.assertion_checks(test_code)
+    if judged_outside is not None:
+        return _assertion_score(code, judged_outside, limits)
     token = secrets.token_hex(16)
     result = run_python(
         _TEST_CODE_DRIVER,
@@ -199,6 +233,49 @@ def code_reward(
     )
     last_line = result.stdout_tail.rstrip("\n").rpartition("\n")[2]
     return float(result.passed and last_line == token)
+
+
+def _check_expected_outputs(cases: Sequence[Mapping[str, Any]], max_output_mb: int) -> None:
+    """A case whose expected output is longer than a program may write can never pass: a data
+    (or configuration) error, raised rather than scored 0."""
+    limit = max_output_mb * 1024 * 1024
+    for index, case in enumerate(cases):
+        size = len(str(case["output"]).encode("utf-8"))
+        if size > limit:
+            raise ValueError(
+                f"the expected output of case {index} is {size} bytes, over the code reward's "
+                f"output limit of {limit} bytes (max_output_mb={max_output_mb}): no program could "
+                "pass it; raise reward.options.code.max_output_mb"
+            )
+
+
+_truncation_noted = False
+
+
+def _note_truncation(truncated: bool, max_output_mb: int) -> None:
+    """Say once per process that output past the limit was cut (such a run fails its case)."""
+    global _truncation_noted
+    if truncated and not _truncation_noted:
+        _truncation_noted = True
+        logger.warning(
+            "code reward: a program wrote more than the output limit of %d MB "
+            "(reward.options.code.max_output_mb); its output was cut and the case failed "
+            "(said once)",
+            max_output_mb,
+        )
+
+
+def _token_lines(result_stdout: str, stdout_tail: str, token: str) -> dict[int, list[str]]:
+    """Lines a driver printed: ``<token> <case> <json>`` -> case -> the values printed for it.
+    A case printed twice with different values (the program forging lines) counts as failed."""
+    answers: dict[int, list[str]] = {}
+    for line in result_stdout.splitlines() + stdout_tail.splitlines():
+        head, _, rest = line.partition(" ")
+        if head == token:
+            index, _, value = rest.partition(" ")
+            if index.isdigit():
+                answers.setdefault(int(index), []).append(value)
+    return answers
 
 
 def _function_call_score(code: str, tests: Mapping[str, Any], limits: SandboxLimits) -> float:
@@ -210,15 +287,8 @@ def _function_call_score(code: str, tests: Mapping[str, Any], limits: SandboxLim
         files={"solution.py": code, "inputs.json": json.dumps(list(inputs))},
         argv=[token, str(tests["fn_name"])],
     )
-    # Lines the driver printed: "<token> <case> <json>", each case at most once. A case printed
-    # twice (the program forging lines) counts as failed.
-    answers: dict[int, list[str]] = {}
-    for line in result.stdout.splitlines() + result.stdout_tail.splitlines():
-        head, _, rest = line.partition(" ")
-        if head == token:
-            index, _, value = rest.partition(" ")
-            if index.isdigit():
-                answers.setdefault(int(index), []).append(value)
+    _note_truncation(result.output_truncated, limits.max_file_mb)
+    answers = _token_lines(result.stdout, result.stdout_tail, token)
     passed = 0
     for index, expected in enumerate(outputs):
         values = set(answers.get(index, ()))
@@ -230,6 +300,35 @@ def _function_call_score(code: str, tests: Mapping[str, Any], limits: SandboxLim
         except ValueError:
             continue
     return passed / len(outputs)
+
+
+def _assertion_score(code: str, tests: assertions.AssertionTests, limits: SandboxLimits) -> float:
+    """1.0 when every assertion holds for the values the program's code computed in the
+    sandbox, compared here (:mod:`megatron_gspo.reward.assertions`)."""
+    token = secrets.token_hex(16)
+    checks = {"setup": tests.setup, "expressions": [check.expression for check in tests.checks]}
+    result = run_python(
+        assertions.DRIVER,
+        limits=limits,
+        files={"solution.py": code, "checks.json": json.dumps(checks)},
+        argv=[token],
+    )
+    _note_truncation(result.output_truncated, limits.max_file_mb)
+    answers = _token_lines(result.stdout, result.stdout_tail, token)
+    for index, check in enumerate(tests.checks):
+        values = set(answers.get(index, ()))
+        if len(values) != 1:
+            return 0.0
+        (value,) = values
+        if value == "!":
+            return 0.0
+        try:
+            decoded = assertions.decode(value)
+        except ValueError:
+            return 0.0
+        if not check.passes(decoded):
+            return 0.0
+    return 1.0
 
 
 def _test_form(tests: Any, tests_key: str) -> str:

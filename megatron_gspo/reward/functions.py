@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from megatron_gspo.config import ConfigError
-from megatron_gspo.import_paths import load_named_callable
+from megatron_gspo.config.import_paths import load_named_callable
 
 
 @dataclass(frozen=True)

@@ -5,8 +5,12 @@ slot takes it (not when the batch is submitted), so queueing never counts agains
 
 - :class:`ProcessPool`: each slot is a child process (``python -m megatron_gspo.reward.worker``,
   its own session) that resolves the reward functions by name itself. A call that runs past the
-  limit is stopped by killing the slot's process group; a fresh worker takes its place. A worker
-  that dies (segfault, ``os._exit``) fails its call and is replaced the same way. Workers are
+  limit is stopped by killing the worker and every process below it (the code reward's
+  sandboxes run in sessions of their own, out of reach of a process-group kill); a fresh worker
+  takes its place. A worker that dies (segfault, ``os._exit``, a SIGKILL from outside) fails its
+  call and is replaced the same way; its sandboxes die with it (``docs/code-sandbox.md``). Each
+  worker's ``TMPDIR`` is a directory of its own that the pool removes with the worker, so that a
+  killed worker leaves no temporary files behind. Workers are
   started with ``subprocess`` rather than ``multiprocessing`` so that they do not re-import the
   trainer's ``__main__`` (Megatron and all) and are safe to start from a process with threads.
 - :class:`ThreadPool`: each slot is a thread of this process. A call past the limit is abandoned
@@ -19,9 +23,11 @@ import contextlib
 import logging
 import os
 import queue
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import traceback
@@ -32,6 +38,7 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 
 from megatron_gspo.reward.functions import RewardInput, RewardSpec, check_score
+from megatron_gspo.runtime.lifetime import kill_process_tree
 
 logger = logging.getLogger(__name__)
 
@@ -263,7 +270,11 @@ class _WorkerProcess:
     def __init__(self, specs: Sequence[RewardSpec]):
         child_reads, parent_writes = os.pipe()
         parent_reads, child_writes = os.pipe()
+        # Its temporary files (the sandbox's working folders among them) go here, removed by
+        # kill() however the worker ended: a SIGKILLed worker cleans up nothing itself.
+        self.temporary = tempfile.mkdtemp(prefix="megatron_gspo_reward_worker_")
         environment = dict(os.environ)
+        environment["TMPDIR"] = self.temporary
         # The child must import the same modules (user reward functions included) as this process.
         environment["PYTHONPATH"] = os.pathsep.join(path for path in sys.path if path)
         try:
@@ -274,11 +285,15 @@ class _WorkerProcess:
                     "megatron_gspo.reward.worker",
                     str(child_reads),
                     str(child_writes),
+                    self.temporary,
                 ],
                 pass_fds=(child_reads, child_writes),
                 env=environment,
                 start_new_session=True,
             )
+        except BaseException:
+            shutil.rmtree(self.temporary, ignore_errors=True)
+            raise
         finally:
             os.close(child_reads)
             os.close(child_writes)
@@ -305,11 +320,16 @@ class _WorkerProcess:
             raise RuntimeError(f"reward worker failed to start: {message[1]}")
 
     def kill(self) -> None:
+        """End the worker, every process below it (the code sandboxes it started run in
+        sessions of their own) and its process group, and remove its temporary folder."""
+        if self.process.returncode is None:  # not reaped yet, so the pid is still the worker's
+            kill_process_tree(self.process.pid)
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(self.process.pid, signal.SIGKILL)
         self.process.wait()
         self.sender.close()
         self.receiver.close()
+        shutil.rmtree(self.temporary, onerror=_make_removable)
 
     def shut_down(self, grace_s: float = 2.0) -> None:
         with contextlib.suppress(OSError):
@@ -317,6 +337,14 @@ class _WorkerProcess:
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.process.wait(timeout=grace_s)
         self.kill()
+
+
+def _make_removable(function, path, _exc_info) -> None:
+    # A sandboxed program may leave read-only files or folders: make them writable and retry.
+    with contextlib.suppress(OSError):
+        os.chmod(os.path.dirname(path), 0o700)
+        os.chmod(path, 0o700)
+        function(path)
 
 
 def _shut_down_all(workers: list) -> None:

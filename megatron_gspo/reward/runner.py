@@ -17,7 +17,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from megatron_gspo.config import ConfigError, RewardConfig
-from megatron_gspo.health import RunStopped
 from megatron_gspo.reward.functions import (
     RewardInput,
     check_reward_function,
@@ -25,6 +24,7 @@ from megatron_gspo.reward.functions import (
     reward_specs,
 )
 from megatron_gspo.reward.pool import ProcessPool, ThreadPool
+from megatron_gspo.runtime.health import RunStopped
 
 logger = logging.getLogger(__name__)
 

@@ -9,8 +9,11 @@ who                            uid 65534 with no capabilities and ``no_new_privs
 namespaces                     new user, PID, mount, network, IPC, UTS and cgroup namespaces
                                (``bwrap --unshare-all``); further user namespaces disabled
 processes                      every process of the call lives in its PID namespace and dies
-                               with it (``--die-with-parent``); ``RLIMIT_NPROC`` caps their
-                               number, counted per sandbox (per user namespace)
+                               with it, and the namespace with the process that started it,
+                               whatever kills that one (``--die-with-parent``); the init is
+                               reaped when it comes back to the caller (a reward worker, a
+                               trainer that is PID 1); ``RLIMIT_NPROC`` caps their number,
+                               counted per sandbox (per user namespace)
 file system                    a read-only view of the system directories and of this
                                Python's installation, a fresh ``/proc`` and read-only ``/dev``;
                                the writable places are ``/sandbox`` (the working directory,
@@ -19,10 +22,12 @@ file system                    a read-only view of the system directories and of
                                of the machine (homes, /tmp, /run, data, checkpoints, other
                                sandboxes) is not there
 network                        an empty network namespace: only its own loopback
-system calls                   a seccomp filter (:mod:`megatron_gspo.reward.seccomp`) where
-                               libseccomp is installed
+system calls                   a seccomp filter (:mod:`megatron_gspo.reward.seccomp`);
+                               without libseccomp the sandbox refuses to run
 CPU, memory, files, output     ``RLIMIT_CPU``, ``RLIMIT_AS``, ``RLIMIT_FSIZE`` (also caps
-                               stdout/stderr), ``RLIMIT_NOFILE``, no core dumps
+                               stdout/stderr), ``RLIMIT_NOFILE``, no core dumps; memory that
+                               ``RLIMIT_AS`` does not count (System V shared memory, memfd
+                               files) is refused by the seccomp filter
 wall clock                     the sandbox's first process is killed after ``wall_time_s``,
                                which takes every process of the sandbox with it
 environment                    a fixed minimal one (no variable of the trainer's), Python
@@ -32,9 +37,11 @@ environment                    a fixed minimal one (no variable of the trainer's
 When the trainer runs as root, bubblewrap's user namespace would map the sandbox's uid to host
 uid 0, which still owns root's files and is exempt from ``RLIMIT_NPROC``. So as root a first,
 privileged bubblewrap builds the read-only view (it can read root-only paths such as a Python
-under ``/root``), ``setpriv`` drops to host uid 65534 with no capabilities, and an unprivileged
-bubblewrap inside makes the namespaces above. As any other user, the unprivileged bubblewrap
-alone does the same.
+under ``/root``) in a PID namespace of its own, ``setpriv`` drops to host uid 65534 with no
+capabilities, and an unprivileged bubblewrap inside makes the namespaces above; the first
+one's PID namespace is what ends everything when the caller dies (``bubblewrap.py`` says why
+the parent-death signal cannot). As any other user, the unprivileged bubblewrap alone does the
+same.
 
 Where the kernel refuses (no bubblewrap, user namespaces disabled, a container's seccomp
 profile), :func:`run_python` raises :class:`SandboxUnavailableError` with the reason and the
@@ -69,6 +76,7 @@ from megatron_gspo.reward.bubblewrap import (
     bwrap_path,
     end_sandbox,
     open_sandbox_init,
+    python_directories,
     sandbox_command,
 )
 from megatron_gspo.reward.seccomp import sandbox_filter
@@ -374,10 +382,7 @@ def _run_command(
             returncode = None
         finally:
             # Killing the init takes the whole PID namespace with it; bwrap's own group too.
-            end_sandbox(init, kill=timed_out)
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(process.pid, signal.SIGKILL)
-            process.wait()
+            end_sandbox(process, init, kill=timed_out)
     return returncode, timed_out, time.monotonic() - start
 
 
@@ -403,11 +408,32 @@ def _probe(bwrap: Optional[str]) -> Optional[str]:
         bwrap_features(bwrap)
     except SandboxUnavailableError as error:
         return str(error)
+    if sandbox_filter() is None:
+        return (
+            "the code sandbox needs libseccomp (libseccomp.so.2), which is not installed: its "
+            "seccomp filter is what keeps System V shared memory and memfd files, which "
+            "RLIMIT_AS does not count, from holding memory past the sandbox's limit. Install "
+            "it (Debian/Ubuntu: apt-get install libseccomp2; Fedora/RHEL: dnf install "
+            "libseccomp), or, for code you trust, set the code reward's isolation option to "
+            "'none' (reward.options.code.isolation=none)"
+        )
     limits = SandboxLimits(wall_time_s=60.0, isolation="bubblewrap")
     result = _run("import os; print(os.getuid(), os.getpid())", limits=limits)
     if result.passed and result.stdout.split() == [str(SANDBOX_UID), "2"]:
         return None
     detail = (result.stderr.strip() or result.stdout.strip() or "no output")[-2000:]
+    if "Can't find source path" in detail or "execvp" in detail:
+        # bwrap started (the kernel allowed it) but a path of the view is missing inside.
+        return (
+            f"bubblewrap started but could not show this Python inside the sandbox (exit "
+            f"status {result.returncode}): {detail}\n"
+            f"The sandbox binds the directories of this interpreter ({sys.executable}: "
+            f"{', '.join(python_directories())}) read-only; one of them is missing, or not "
+            "readable by the sandbox's user (under a root trainer host uid 65534: each of "
+            "these directories must be readable by others, not of mode 0700 as "
+            "tempfile.mkdtemp makes them). Fix the permissions or install the Python "
+            "elsewhere; see docs/code-sandbox.md."
+        )
     return (
         f"bubblewrap could not start a sandbox here (exit status {result.returncode}): {detail}\n"
         "The code sandbox needs unprivileged user namespaces (sysctls "

@@ -9,14 +9,23 @@ present on Debian and Ubuntu base images) to compile one, through its C API by `
   io_uring, namespaces and mounts, kernel modules and kexec, and a few obsolete or
   machine-wide calls. None of them is needed by a program that reads input and computes;
   several have a history of kernel privilege escalations;
+- memory that ``RLIMIT_AS`` does not count fails with ``ENOSYS``, as on a kernel built without
+  it (:data:`UNCOUNTED_MEMORY_SYSCALLS`): System V shared memory, message queues and semaphores
+  (a detached shared memory segment stays allocated: one program held 3 GB under a 1 GB limit)
+  and ``memfd_create``/``memfd_secret`` (an anonymous file is memory, capped only by
+  ``RLIMIT_FSIZE`` per file: as many as the descriptor limit allows held 976 MB). ``ENOSYS``
+  rather than ``EPERM`` because programs and libraries that use them already fall back on it
+  (to ``/dev/shm`` files, which are on the sandbox's sized tmpfs); ``multiprocessing`` uses
+  neither;
 - ``clone`` with any namespace flag fails with ``EPERM``; ``clone3`` fails with ``ENOSYS``
   (its flags live in memory a filter cannot read, so the C library falls back to ``clone``);
 - system calls of another architecture (32-bit ``int 0x80`` on x86-64) kill the process:
   libseccomp's default for a foreign architecture.
 
 The namespaces, the unprivileged user and the read-only file system are the sandbox's main
-walls; this filter narrows the kernel surface behind them. Without libseccomp the sandbox runs
-without it (and says so once in the log).
+walls; this filter narrows the kernel surface behind them, and holds the memory limit. Without
+libseccomp the sandbox refuses to run (:func:`megatron_gspo.reward.sandbox.check_isolation`):
+its memory limit would not hold.
 """
 
 from __future__ import annotations
@@ -24,12 +33,9 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import errno
-import logging
 import os
 from functools import lru_cache
 from typing import Optional
-
-logger = logging.getLogger(__name__)
 
 DENIED_SYSCALLS = (
     # other processes' memory and descriptors
@@ -81,6 +87,27 @@ DENIED_SYSCALLS = (
     "uselib",
     "vhangup",
     "lookup_dcookie",
+)
+
+UNCOUNTED_MEMORY_SYSCALLS = (
+    # System V IPC: segments and queues belong to the IPC namespace, not to a process, so
+    # RLIMIT_AS (per process) never sees them once detached.
+    "shmget",
+    "shmat",
+    "shmdt",
+    "shmctl",
+    "msgget",
+    "msgsnd",
+    "msgrcv",
+    "msgctl",
+    "semget",
+    "semop",
+    "semtimedop",
+    "semctl",
+    "ipc",  # the multiplexer of all of the above on some architectures
+    # anonymous files: memory held by a descriptor, counted by RLIMIT_AS only while mapped
+    "memfd_create",
+    "memfd_secret",
 )
 
 # linux/sched.h
@@ -142,11 +169,6 @@ def sandbox_filter() -> Optional[bytes]:
     libseccomp is not installed. Compiled once per process."""
     library = _load_libseccomp()
     if library is None:
-        logger.warning(
-            "sandbox: libseccomp is not installed, so sandboxed code runs without a seccomp "
-            "filter (namespaces, the unprivileged user and the read-only file system still "
-            "apply); install libseccomp2 to add it"
-        )
         return None
     context = library.seccomp_init(_ACT_ALLOW)
     if not context:
@@ -166,6 +188,8 @@ def sandbox_filter() -> Optional[bytes]:
 
         for name in DENIED_SYSCALLS:
             deny(name, errno.EPERM, [])
+        for name in UNCOUNTED_MEMORY_SYSCALLS:
+            deny(name, errno.ENOSYS, [])
         deny("clone3", errno.ENOSYS, [])
         for flag in NAMESPACE_CLONE_FLAGS.values():
             # Argument 0 of clone is the flags on x86-64 and arm64: (flags & flag) == flag.

@@ -1,5 +1,6 @@
 """Rollout engines: the request/result contract, the embedded transformers engine, its loopback
-server, and the SGLang client, launcher and weight transports.
+server, and the SGLang client and launcher (the weight transports are
+:mod:`megatron_gspo.weight_sync`).
 
 Only the contract is imported here; engines load on demand (``rollout.embedded`` pulls
 transformers, ``rollout.sglang_client`` requests).
@@ -10,7 +11,6 @@ from megatron_gspo.rollout.types import (
     GenerateResult,
     RolloutEngine,
     RolloutEngineError,
-    SyncStats,
     derive_seed,
     expand_samples,
     sync_weights_paused,
@@ -21,7 +21,6 @@ __all__ = [
     "GenerateResult",
     "RolloutEngine",
     "RolloutEngineError",
-    "SyncStats",
     "derive_seed",
     "expand_samples",
     "sync_weights_paused",

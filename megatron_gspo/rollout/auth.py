@@ -7,18 +7,22 @@ trainer therefore makes one random key per run (:func:`new_api_key`), starts its
 and sends it as ``Authorization: Bearer <key>`` on every call, which is how SGLang's
 ``--api-key`` works (SGLang 0.5.23, ``sglang/srt/utils/auth.py``: every endpoint except
 ``/health*``, ``/ready*`` and ``/metrics*`` needs the key; a missing or wrong key is a 401).
+The key never goes on a command line, which every local user reads in ``/proc/<pid>/cmdline``:
+launched SGLang servers get it in a private ``--config`` file, the embedded server's process in
+its environment (``sglang_launcher.SGLangServerProcess``).
 
-Servers the trainer does not start (``rollout.sglang_urls``) take their key from the
+Servers the trainer does not start (``rollout.sglang.urls``) take their key from the
 environment variable :data:`API_KEY_ENV`, which must then hold the ``--api-key`` they were
 started with.
 """
 
 from __future__ import annotations
 
-import ipaddress
 import os
 import secrets
 from typing import Optional
+
+from megatron_gspo.config.schema import is_loopback_host
 
 API_KEY_ENV = "MEGATRON_GSPO_SGLANG_API_KEY"
 """Environment variable with the API key of SGLang servers the trainer connects to (and of
@@ -26,8 +30,13 @@ servers it launches, when set; otherwise launched servers get a fresh key per ru
 
 
 def new_api_key() -> str:
-    """A fresh secret: 32 random bytes, URL-safe base64 (fits a header and a command line)."""
-    return secrets.token_urlsafe(32)
+    """A fresh secret: 32 random bytes, URL-safe base64 (fits a header and a YAML string), never
+    starting with ``-``: SGLang hands the key of its ``--config`` file to argparse as
+    ``--api-key <key>``, and argparse reads a value starting with ``-`` as a flag."""
+    while True:
+        key = secrets.token_urlsafe(32)
+        if not key.startswith("-"):  # one key in 64; the next draw is as random
+            return key
 
 
 def api_key_from_environment() -> Optional[str]:
@@ -44,18 +53,6 @@ def bearer_matches(authorization: Optional[str], api_key: str) -> bool:
     if scheme.lower() != "bearer":
         return False
     return secrets.compare_digest(credential.strip().encode(), api_key.encode())
-
-
-def is_loopback_host(host: str) -> bool:
-    """Whether ``host`` (a name or address, IPv6 with or without brackets) is this machine's
-    loopback interface: ``localhost``, ``127.0.0.0/8`` or ``::1``."""
-    host = host.strip().strip("[]").rstrip(".").lower()
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def host_header_is_loopback(value: Optional[str]) -> bool:

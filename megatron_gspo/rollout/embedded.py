@@ -50,12 +50,11 @@ from megatron_gspo.rollout.types import (
     GenerateResult,
     RolloutEngine,
     RolloutEngineError,
-    StableTensorStream,
-    SyncStats,
     expand_samples,
 )
 from megatron_gspo.rollout.weight_loader import HFWeightLayout, iter_safetensors_directory
-from megatron_gspo.routes import route_numpy_dtype
+from megatron_gspo.samples.routes import route_numpy_dtype
+from megatron_gspo.weight_sync import StableTensorStream, SyncStats
 
 logger = logging.getLogger(__name__)
 

@@ -14,6 +14,7 @@ from typing import Any, Optional
 import torch
 
 from megatron_gspo.config import ModelConfig
+from megatron_gspo.convert.hf_config import hf_config_from_model_config
 
 
 def build_hf_model(
@@ -25,8 +26,6 @@ def build_hf_model(
     normally arrive later by ``sync_weights``.
     """
     import transformers
-
-    from megatron_gspo.convert.hf_config import hf_config_from_model_config
 
     config = hf_config_from_model_config(model_config)
     # SDPA rather than eager: one fused kernel instead of repeat_kv + two matmuls + softmax per

@@ -10,7 +10,10 @@ Served (bodies and answers as SGLang 0.5.x, see ``sglang_protocol.py``):
 
 =========================================  ==================================================
 ``POST /generate``                         token ids in, ``output_ids`` + ``meta_info`` out
-``GET /health``, ``GET /health_generate``  200 when a one-token forward works, else 503
+``GET /health``                            200 while the server serves (no forward)
+``GET /health_generate``                   with the key: 200 when a one-token forward works,
+                                           else 503 (one forward per ``HEALTH_CACHE_S``);
+                                           without it: as ``/health``
 ``GET /model_info``, ``GET /server_info``  engine description (``engine: embedded``)
 ``GET|POST /flush_cache``                  200, or 400 while generate calls run (as SGLang)
 ``POST /pause_generation``                 ``{"mode": "abort"|"in_place"}``
@@ -30,14 +33,24 @@ checks against requests a browser can be tricked into sending:
   other local processes cannot pause generation or swap the weights;
 - a ``POST``/``PUT`` body must be ``Content-Type: application/json``, else 415: a cross-site
   form or ``text/plain`` post needs no CORS preflight, a JSON one does (and gets none here).
+
+What a process without the key can do stays cheap, because any local process can do it as
+often as it likes: a keyless ``/health_generate`` runs no forward (a flood of them made
+``/generate`` 10-20x slower, each taking turns at the model lock), and refused requests, connections
+the peer cut (reset, broken pipe: three tracebacks each before) and failed requests are counted
+in :attr:`EmbeddedServer.peer_events`, which logs :data:`LOG_BURST` lines of each kind per
+:data:`LOG_WINDOW_S` and sums up the rest in one line; a cut connection logs no traceback.
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import json
 import logging
+import sys
 import threading
+import time
 import uuid
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -46,7 +59,14 @@ from urllib.parse import urlparse
 
 import torch
 
-from megatron_gspo.rollout.auth import bearer_matches, host_header_is_loopback, new_api_key
+from megatron_gspo.config import ModelConfig, from_dict
+from megatron_gspo.rollout.auth import (
+    API_KEY_ENV,
+    api_key_from_environment,
+    bearer_matches,
+    host_header_is_loopback,
+    new_api_key,
+)
 from megatron_gspo.rollout.embedded import EmbeddedEngine
 from megatron_gspo.rollout.sglang_protocol import RouteLayout, result_json
 from megatron_gspo.rollout.types import GenerateRequest, RolloutEngineError
@@ -56,7 +76,14 @@ logger = logging.getLogger(__name__)
 LOOPBACK_HOST = "127.0.0.1"
 UNAUTHENTICATED_PATHS = ("/health", "/health_generate")
 """Liveness probes answer without the key, as in SGLang (they reveal nothing and change
-nothing)."""
+nothing); without the key ``/health_generate`` runs no forward (it answers as ``/health``)."""
+HEALTH_CACHE_S = 1.0
+"""How long the answer of a keyed ``/health_generate`` forward stands for the next ones: however
+often it is asked, the model runs at most one health forward per period."""
+LOG_BURST = 3
+"""Log lines per kind of peer event (refused request, cut connection, failed request) and
+:data:`LOG_WINDOW_S`; the rest of the window's events of that kind are summed up in one line."""
+LOG_WINDOW_S = 60.0
 
 _GENERATE_KEYS = {
     "input_ids",
@@ -197,6 +224,88 @@ def parse_generate_body(body: Any) -> tuple[list[GenerateRequest], int, bool, in
     return requests, n, is_single and n == 1, start_len
 
 
+class PeerEvents:
+    """Counts what peers make the server log (``counts``, by kind) and logs it boundedly:
+    :data:`LOG_BURST` lines per kind and :data:`LOG_WINDOW_S`, then one line per kind with the
+    number of the window's events not logged one by one (at the next event after the window,
+    or at :meth:`summarise`)."""
+
+    def __init__(self, burst: int = LOG_BURST, window_s: float = LOG_WINDOW_S):
+        self.burst = burst
+        self.window_s = window_s
+        self.counts: collections.Counter[str] = collections.Counter()
+        self._lock = threading.Lock()
+        self._window_start = time.monotonic()
+        self._logged: collections.Counter[str] = collections.Counter()
+        self._unlogged: collections.Counter[str] = collections.Counter()
+
+    def note(self, kind: str, level: int, message: str, *args: Any, exc_info: bool = False) -> None:
+        """Count one event of ``kind``; log ``message % args`` unless the window's burst of that
+        kind is spent (``exc_info``: with the traceback being handled)."""
+        with self._lock:
+            self._roll_window(force=False)
+            self.counts[kind] += 1
+            log = self._logged[kind] < self.burst
+            if log:
+                self._logged[kind] += 1
+            else:
+                self._unlogged[kind] += 1
+        if log:
+            logger.log(level, message, *args, exc_info=exc_info)
+
+    def summarise(self) -> None:
+        """Log what the current window did not log one by one, and start a new window."""
+        with self._lock:
+            self._roll_window(force=True)
+
+    def _roll_window(self, *, force: bool) -> None:
+        now = time.monotonic()
+        if not force and now - self._window_start < self.window_s:
+            return
+        for kind, count in sorted(self._unlogged.items()):
+            logger.warning(
+                "embedded server: %d more %s in the last %.0f s, not logged one by one",
+                count,
+                kind,
+                now - self._window_start,
+            )
+        self._window_start = now
+        self._logged.clear()
+        self._unlogged.clear()
+
+
+def _peer_cut(error: Optional[BaseException]) -> bool:
+    """Whether ``error`` means the peer went away (reset, broken pipe, time-out): nothing this
+    server did wrong, and nobody left to answer."""
+    return isinstance(error, (ConnectionError, TimeoutError))
+
+
+class _LoopbackHTTPServer(ThreadingHTTPServer):
+    daemon_threads = True
+    peer_events: PeerEvents
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        # socketserver's default prints a traceback to stderr for every failed connection,
+        # those the peer cut included: any local process could fill the log at will.
+        error = sys.exc_info()[1]
+        if _peer_cut(error):
+            self.peer_events.note(
+                "cut connections",
+                logging.INFO,
+                "embedded server: %s cut the connection (%s)",
+                client_address[0],
+                type(error).__name__,
+            )
+        else:
+            self.peer_events.note(
+                "failed requests",
+                logging.ERROR,
+                "embedded server: a request from %s failed",
+                client_address[0],
+                exc_info=True,
+            )
+
+
 class EmbeddedServer:
     """Serves an :class:`EmbeddedEngine` on ``http://127.0.0.1:<port>`` from a daemon thread.
 
@@ -217,9 +326,14 @@ class EmbeddedServer:
             if engine.moe_layer_indices
             else None
         )
+        self.peer_events = PeerEvents()
+        """Refused requests, cut connections and failed requests: counted, logged boundedly."""
+        self._health_lock = threading.Lock()
+        self._health_checked_at: Optional[float] = None
+        self._healthy = False
         handler = type("_BoundHandler", (_Handler,), {"server_state": self})
-        self._http = ThreadingHTTPServer((LOOPBACK_HOST, port), handler)
-        self._http.daemon_threads = True
+        self._http = _LoopbackHTTPServer((LOOPBACK_HOST, port), handler)
+        self._http.peer_events = self.peer_events
         self._thread: Optional[threading.Thread] = None
 
     @property
@@ -246,6 +360,7 @@ class EmbeddedServer:
             self._http.serve_forever()
         finally:
             self._http.server_close()
+            self.peer_events.summarise()
 
     def close(self) -> None:
         """Abort running generation, stop serving and free the port."""
@@ -255,6 +370,7 @@ class EmbeddedServer:
         self._http.server_close()
         if self._thread is not None:
             self._thread.join(timeout=10)
+        self.peer_events.summarise()
 
     def __enter__(self) -> EmbeddedServer:
         return self.start() if self._thread is None else self
@@ -266,6 +382,17 @@ class EmbeddedServer:
 
     def info(self) -> dict[str, Any]:
         return {**self.engine.info(), "engine": "embedded", "is_generation": True, "url": self.url}
+
+    def health_generate(self) -> bool:
+        """Whether a one-token forward works, from a forward at most :data:`HEALTH_CACHE_S`
+        old: concurrent callers wait for the one forward in flight rather than each running
+        theirs (each forward takes a turn at the model lock between generation's forwards)."""
+        with self._health_lock:
+            checked_at = self._health_checked_at
+            if checked_at is None or time.monotonic() - checked_at >= HEALTH_CACHE_S:
+                self._healthy = self.engine.health()
+                self._health_checked_at = time.monotonic()
+            return self._healthy
 
     def generate(self, body: Any) -> Any:
         requests, n, is_single, start_len = parse_generate_body(body)
@@ -367,9 +494,7 @@ class _Handler(BaseHTTPRequestHandler):
                 f"requests addressed to {LOOPBACK_HOST} or localhost only",
                 (),
             )
-        if path not in UNAUTHENTICATED_PATHS and not bearer_matches(
-            self.headers.get("Authorization"), self.server_state.api_key
-        ):
+        if path not in UNAUTHENTICATED_PATHS and not self._has_key():
             return (
                 HTTPStatus.UNAUTHORIZED,
                 "missing or wrong API key: send 'Authorization: Bearer <key>' with the key the "
@@ -385,6 +510,9 @@ class _Handler(BaseHTTPRequestHandler):
             )
         return None
 
+    def _has_key(self) -> bool:
+        return bearer_matches(self.headers.get("Authorization"), self.server_state.api_key)
+
     def _dispatch(self, method: str) -> None:
         state = self.server_state
         path = urlparse(self.path).path
@@ -393,21 +521,28 @@ class _Handler(BaseHTTPRequestHandler):
             status, message, headers = refusal
             # The body is left unread, so this connection cannot carry another request.
             self.close_connection = True
-            self._reply(status, {"error": {"message": message}}, headers=headers)
-            logger.warning(
-                "embedded server refused %s %s from %s: %s",
+            state.peer_events.note(
+                "refused requests",
+                logging.WARNING,
+                "embedded server refused %s %.100s from %s (HTTP %d): %s",
                 method,
                 path,
-                self.address_string(),
+                self.client_address[0],
+                status,
                 message,
             )
+            self._reply(status, {"error": {"message": message}}, headers=headers)
             return
         try:
             body = self._body() if method in ("POST", "PUT") else {}
             if path == "/generate" and method in ("POST", "PUT"):
                 self._reply(HTTPStatus.OK, state.generate(body))
-            elif path in ("/health", "/health_generate"):
-                healthy = state.engine.health()
+            elif path == "/health" or (path == "/health_generate" and not self._has_key()):
+                # Liveness only: a forward per keyless probe would let any local process slow
+                # generation down at will.
+                self._reply(HTTPStatus.OK)
+            elif path == "/health_generate":
+                healthy = state.health_generate()
                 self._reply(HTTPStatus.OK if healthy else HTTPStatus.SERVICE_UNAVAILABLE)
             elif path in ("/model_info", "/get_model_info", "/server_info", "/get_server_info"):
                 self._reply(HTTPStatus.OK, state.info())
@@ -436,12 +571,21 @@ class _Handler(BaseHTTPRequestHandler):
                     HTTPStatus.NOT_FOUND,
                     {"error": {"message": f"{method} {path} is not served by the embedded engine"}},
                 )
-        except BadRequest as error:
-            self._reply(HTTPStatus.BAD_REQUEST, {"error": {"message": str(error)}})
-        except (ValueError, RolloutEngineError) as error:
-            self._reply(HTTPStatus.BAD_REQUEST, {"error": {"message": str(error)}})
-        except Exception as error:  # an engine failure must reach the client as a 500, not a hang
-            logger.exception("embedded server: %s %s failed", method, path)
+        except Exception as error:
+            if _peer_cut(error):
+                raise  # nobody to answer: the HTTP server counts it (_LoopbackHTTPServer)
+            if isinstance(error, (ValueError, RolloutEngineError)):  # BadRequest included
+                self._reply(HTTPStatus.BAD_REQUEST, {"error": {"message": str(error)}})
+                return
+            # An engine failure must reach the client as a 500, not a hang.
+            state.peer_events.note(
+                "failed requests",
+                logging.ERROR,
+                "embedded server: %s %.100s failed",
+                method,
+                path,
+                exc_info=True,
+            )
             self._reply(HTTPStatus.INTERNAL_SERVER_ERROR, {"error": {"message": repr(error)}})
 
     def _flush(self) -> None:
@@ -454,17 +598,14 @@ class _Handler(BaseHTTPRequestHandler):
 
 
 def main(argv: Optional[list[str]] = None) -> None:
-    """``python -m megatron_gspo.rollout.server --api-key KEY --port P [--model-config JSON]
-    [--seed S] [--dtype float32|bfloat16|float16] [--threads T]``: serve a randomly initialised
-    embedded engine until interrupted (weights arrive through ``/update_weights_from_disk``).
-    ``--api-key`` as SGLang's: clients must send it; without it the key comes from the
-    environment variable ``MEGATRON_GSPO_SGLANG_API_KEY`` (which, unlike a command line, other
-    users cannot read)."""
+    """``MEGATRON_GSPO_SGLANG_API_KEY=KEY python -m megatron_gspo.rollout.server --port P
+    [--model-config JSON] [--seed S] [--dtype float32|bfloat16|float16] [--threads T]``: serve a
+    randomly initialised embedded engine until interrupted (weights arrive through
+    ``/update_weights_from_disk``). Clients must send the key, as with SGLang's ``--api-key``;
+    it comes from the environment only, which other users cannot read (every local user reads a
+    process's command line in ``/proc/<pid>/cmdline``)."""
     import argparse
     import dataclasses
-
-    from megatron_gspo.config import ModelConfig, from_dict
-    from megatron_gspo.rollout.auth import API_KEY_ENV, api_key_from_environment
 
     parser = argparse.ArgumentParser(description=main.__doc__)
     parser.add_argument("--host", default=LOOPBACK_HOST, help="must be 127.0.0.1")
@@ -478,18 +619,17 @@ def main(argv: Optional[list[str]] = None) -> None:
         help="the engine's parameter and compute dtype (rollout.dtype)",
     )
     parser.add_argument(
-        "--api-key",
-        default=api_key_from_environment(),
-        help=f"the secret clients send as 'Authorization: Bearer KEY' (default: ${API_KEY_ENV})",
-    )
-    parser.add_argument(
         "--model-config",
         default="{}",
         help=f"JSON of ModelConfig fields ({', '.join(f.name for f in dataclasses.fields(ModelConfig))})",
     )
     args = parser.parse_args(argv)
-    if not args.api_key:
-        parser.error(f"--api-key (or ${API_KEY_ENV}) is required: the server refuses keyless use")
+    api_key = api_key_from_environment()
+    if not api_key:
+        parser.error(
+            f"${API_KEY_ENV} is required (the secret clients send as 'Authorization: Bearer "
+            "KEY'): the server refuses keyless use"
+        )
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     if args.host != LOOPBACK_HOST:
@@ -502,7 +642,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     server = EmbeddedServer(
         EmbeddedEngine(model_config, seed=args.seed, dtype=getattr(torch, args.dtype)),
         port=args.port,
-        api_key=args.api_key,
+        api_key=api_key,
     )
     logger.info("embedded rollout server on %s", server.url)
     with contextlib.suppress(KeyboardInterrupt):

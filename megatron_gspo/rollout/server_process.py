@@ -6,7 +6,7 @@ that generation and training run in parallel on a CPU without sharing one Python
 lock, and a server that dies can be restarted (the asynchronous producer does, then re-sends the
 newest weights: :meth:`megatron_gspo.rollout.sglang_client.SGLangEngine.recover`).
 
-The process dies with the trainer, even a SIGKILLed one (:mod:`megatron_gspo.lifetime`), and
+The process dies with the trainer, even a SIGKILLed one (:mod:`megatron_gspo.runtime.lifetime`), and
 takes the run's API key from its environment, never from its command line (which other users
 can read in ``ps``).
 """
@@ -68,8 +68,14 @@ class EmbeddedServerProcess:
         ]
         if threads is not None:
             command += ["--threads", str(threads)]
+        # The key travels in the environment (readable by this user only), never on the command
+        # line, which every local user reads in /proc/<pid>/cmdline.
         self.process = SGLangServerProcess(
-            command, log_path, env={API_KEY_ENV: api_key}, name="embedded rollout server"
+            command,
+            log_path,
+            name="embedded rollout server",
+            api_key=api_key,
+            api_key_environment=API_KEY_ENV,
         )
         self.api_key = api_key
         self.restarts = 0

@@ -1,8 +1,8 @@
 """``SGLangEngine``: the rollout contract over HTTP to one or more SGLang servers (0.5.x).
 
-Plain HTTP with ``requests``; sglang itself is imported only by the tensor and distributed weight
-transports (``sglang_weights.py``), lazily. The embedded engine's loopback server
-(``server.py``) answers the same subset, so CI runs this client for real.
+Plain HTTP with ``requests``; sglang itself is imported only by the tensor weight transport
+(``megatron_gspo.weight_sync.tensor``), lazily, for CUDA tensors. The embedded engine's
+loopback server (``server.py``) answers the same subset, so CI runs this client for real.
 
 * ``/generate``: requests are cut into batched calls of at most ``max_requests_per_call`` prompts,
   each sent to the server with the fewest calls in flight (least-in-flight balancing, so no
@@ -24,6 +24,7 @@ transports (``sglang_weights.py``), lazily. The embedded engine's loopback serve
 from __future__ import annotations
 
 import logging
+import re
 import threading
 import time
 from collections.abc import Iterable, Iterator, Sequence
@@ -45,9 +46,9 @@ from megatron_gspo.rollout.types import (
     GenerateResult,
     RolloutEngine,
     RolloutEngineError,
-    SyncStats,
     expand_samples,
 )
+from megatron_gspo.weight_sync import SyncStats, WeightTransport, transport_from_config
 
 logger = logging.getLogger(__name__)
 
@@ -70,8 +71,8 @@ class SGLangEngine(RolloutEngine):
     Args:
         urls: server addresses, ``http://host:port``.
         route_layout: layer/top-k layout of routed experts; required for R3.
-        weight_transport: a transport from ``sglang_weights.py`` (disk, tensor, distributed);
-            ``None`` makes ``sync_weights`` raise.
+        weight_transport: a transport from ``megatron_gspo.weight_sync`` (disk, tensor,
+            distributed); ``None`` makes ``sync_weights`` raise.
         request_timeout_s: limit of one ``/generate`` call; control_timeout_s: of other calls.
         max_retries / retry_backoff_s: transport-error retries (backoff doubles each time).
         max_concurrency: most ``/generate`` calls in flight over all servers.
@@ -91,7 +92,7 @@ class SGLangEngine(RolloutEngine):
         urls: Sequence[str],
         route_layout: Optional[RouteLayout] = None,
         *,
-        weight_transport: Any = None,
+        weight_transport: Optional[WeightTransport] = None,
         request_timeout_s: float = 600.0,
         control_timeout_s: float = 60.0,
         max_retries: int = 3,
@@ -142,17 +143,15 @@ class SGLangEngine(RolloutEngine):
         model: Any,
         urls: Optional[Sequence[str]] = None,
         *,
-        weight_transport: Any = None,
+        weight_transport: Optional[WeightTransport] = None,
         api_key: Optional[str] = None,
     ) -> SGLangEngine:
-        """Client for ``rollout.sglang_urls`` (or ``urls``) with the layout of ``model``.
+        """Client for ``rollout.sglang.urls`` (or ``urls``) with the layout of ``model``.
 
         ``weight_transport`` defaults to the one ``rollout.weight_transport`` names, built by
-        :func:`megatron_gspo.rollout.sglang_weights.transport_from_config`.
+        :func:`megatron_gspo.weight_sync.transport_from_config`.
         """
-        from megatron_gspo.rollout.sglang_weights import transport_from_config
-
-        urls = list(urls if urls is not None else rollout.sglang_urls)
+        urls = list(urls if urls is not None else rollout.sglang.urls)
         layout = RouteLayout.from_model_config(model) if model.is_moe else None
         if weight_transport is None:
             weight_transport = transport_from_config(
@@ -235,11 +234,23 @@ class SGLangEngine(RolloutEngine):
         )
 
     def post_json(
-        self, url: str, path: str, payload: Any = None, *, timeout: Optional[float] = None
+        self,
+        url: str,
+        path: str,
+        payload: Any = None,
+        *,
+        timeout: Optional[float] = None,
+        retry_timeouts: bool = True,
     ) -> Any:
-        """POST and return the JSON answer; non-200 or ``success: false`` raise."""
+        """POST and return the JSON answer; non-200 or ``success: false`` raise.
+        ``retry_timeouts=False`` for calls that must not be repeated (see :meth:`request`)."""
         response = self.request(
-            "POST", url, path, payload if payload is not None else {}, timeout=timeout
+            "POST",
+            url,
+            path,
+            payload if payload is not None else {},
+            timeout=timeout,
+            retry_timeouts=retry_timeouts,
         )
         body = _json_or_text(response)
         if response.status_code != 200:
@@ -423,9 +434,13 @@ class SGLangEngine(RolloutEngine):
         weights). One recovery at a time."""
         deadline = time.monotonic() + timeout_s
         with self._recover_lock:
+            came_back = set()
             for server in self.servers:
                 if self._answers(server.url):
                     continue
+                # Restarted, by us or its operator: its weights are its start-up ones, whatever
+                # version it reports (at version 0 that is the trainer's version too).
+                came_back.add(server.url)
                 restart = self._restarters.get(server.url)
                 if restart is not None:
                     logger.warning("rollout server %s is gone: restarting it", server.url)
@@ -444,7 +459,9 @@ class SGLangEngine(RolloutEngine):
             copy = None if self.weight_transport is None else self.weight_transport.latest_version
             target = self._weight_version if copy is None else copy
             stale = [
-                server.url for server in self.servers if self._server_version(server.url) != target
+                server.url
+                for server in self.servers
+                if server.url in came_back or self._server_version(server.url) != target
             ]
             stats = None
             if stale:
@@ -595,6 +612,14 @@ def _json_or_text(response: requests.Response) -> Any:
         return response.text
 
 
-def _excerpt(body: Any, limit: int = 500) -> str:
+def _excerpt(body: Any, limit: int = 300) -> str:
+    """One line of a server's answer for an error message. An HTML page (a proxy's or another
+    web server's at the address) is named by its title: it says the URL points elsewhere, and
+    its markup would bury the message."""
     text = body if isinstance(body, str) else repr(body)
+    if text.lstrip()[:15].lower().startswith(("<!doctype html", "<html")):
+        title = re.search(r"<title[^>]*>(.*?)</title>", text, re.IGNORECASE | re.DOTALL)
+        named = f" titled {' '.join(title.group(1).split())!r}" if title else ""
+        return f"an HTML page{named}, not SGLang's answer: is the URL an SGLang server's?"
+    text = " ".join(text.split())
     return text if len(text) <= limit else text[:limit] + "..."

@@ -30,7 +30,7 @@ from megatron_gspo.rollout.types import (
     RolloutEngineError,
     sample_request_id,
 )
-from megatron_gspo.routes import route_numpy_dtype
+from megatron_gspo.samples.routes import route_numpy_dtype
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,9 @@ skipped), ``K`` experts per token (top-k).
 from __future__ import annotations
 
 import abc
+import dataclasses
 import hashlib
+import tempfile
 import uuid
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -18,7 +20,8 @@ from typing import Any, Optional
 
 import numpy as np
 
-from megatron_gspo.routes import route_shape_problem
+from megatron_gspo.samples.routes import route_shape_problem
+from megatron_gspo.weight_sync import SyncStats
 
 FINISH_REASONS = ("stop", "length", "abort")
 PAUSE_MODES = ("abort", "in_place")
@@ -89,7 +92,7 @@ class GenerateResult:
     ``output_log_probs[j]`` is ``log_softmax(logits / T)[output_ids[j]]`` at the sampling
     temperature ``T``, before top-p/top-k truncation (SGLang semantics); ``None`` when not asked.
     ``routed_experts`` is ``[L - 1, M, K]`` logical expert ids in the format of
-    :mod:`megatron_gspo.routes` (uint8 when there are at most 256 experts, int16 otherwise): rows
+    :mod:`megatron_gspo.samples.routes` (uint8 when there are at most 256 experts, int16 otherwise): rows
     are the prompt tokens and every generated token except the last, which is never run forward;
     ``None`` when not asked. ``output_weight_versions[j]`` is the weight version of the forward
     whose logits sampled ``output_ids[j]`` (and gave ``output_log_probs[j]``): a request that
@@ -150,21 +153,6 @@ class GenerateResult:
         return len(self.output_ids)
 
 
-@dataclass
-class SyncStats:
-    """What one weight synchronisation moved."""
-
-    weight_version: int
-    num_tensors: int
-    num_bytes: int
-    seconds: float
-    num_buckets: int = 1
-
-    @property
-    def gigabytes_per_second(self) -> float:
-        return self.num_bytes / 1e9 / self.seconds if self.seconds > 0 else float("inf")
-
-
 def derive_seed(seed: int, sample_index: int) -> int:
     """Seed of sample ``sample_index`` of a request with ``seed`` (for ``n > 1``).
 
@@ -188,8 +176,6 @@ def expand_samples(requests: Sequence[GenerateRequest], n: int) -> list[Generate
         raise ValueError(f"n={n} < 1: the number of samples per prompt must be positive")
     if n == 1:
         return list(requests)
-    import dataclasses
-
     return [
         dataclasses.replace(
             request,
@@ -250,7 +236,7 @@ class RolloutEngine(abc.ABC):
 
     def release_memory(self) -> None:
         """Free the engine's accelerator memory for the trainer until the next
-        :meth:`sync_weights` (``rollout.sglang_release_memory``). Engines in the trainer's
+        :meth:`sync_weights` (``rollout.sglang.release_memory``). Engines in the trainer's
         process hold nothing of their own to free."""
         raise RolloutEngineError(f"{type(self).__name__} has no memory of its own to release")
 
@@ -291,23 +277,6 @@ class RolloutEngine(abc.ABC):
         self.close()
 
 
-class StableTensorStream(Iterator[tuple[str, Any]]):
-    """``(name, tensor)`` pairs whose tensors stay valid and unchanged until the consumer that
-    drains the stream has returned: fresh tensors nobody else writes, or views of a model that
-    nothing updates meanwhile (the trainer's weight stream during a sync,
-    ``engine.hf_import_export.iter_hf_weights``). A loader may therefore stage them by reference
-    (``HFWeightLayout.stage(..., borrow=True)``) instead of copying them."""
-
-    def __init__(self, pairs: Iterable[tuple[str, Any]]):
-        self._pairs = iter(pairs)
-
-    def __iter__(self) -> StableTensorStream:
-        return self
-
-    def __next__(self) -> tuple[str, Any]:
-        return next(self._pairs)
-
-
 def sync_weights_paused(
     engine: RolloutEngine,
     named_tensors: Iterator[tuple[str, Any]],
@@ -329,3 +298,26 @@ def sync_weights_paused(
         return engine.sync_weights(named_tensors, version)
     finally:
         engine.resume()
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    """What building an engine needs besides its configuration: every builder of
+    :data:`megatron_gspo.rollout.factory.ENGINE_BUILDERS` receives it and reads what it uses."""
+
+    seed: int = 0
+    """Initial random weights of an embedded engine (real weights arrive by sync)."""
+    enable_routed_experts: bool = False
+    """R3: the engine must return each sample's routed experts (launched SGLang servers get
+    --enable-return-routed-experts)."""
+    work_dir: Optional[str] = None
+    """Weight files of the disk transport and server logs; None: a fresh temporary directory."""
+    master_address: Optional[str] = None
+    """Rendezvous of the distributed weight transport; None: ``rollout.weight_sync_address``,
+    else this machine's address towards the first server."""
+    master_port: Optional[int] = None
+    """Its port; None: ``rollout.weight_sync_port``, else a free one."""
+
+    def working_dir(self) -> str:
+        """``work_dir``, or a fresh temporary directory when it is None."""
+        return self.work_dir or tempfile.mkdtemp(prefix="megatron_gspo_rollout_")

@@ -22,7 +22,7 @@ from .batches import WIDTH, loss_settings, make_batch
 from .reference import AGG_MODES, reference_correction_weights, reference_policy_loss
 
 TIGHT = {"rtol": 1e-10, "atol": 1e-12}
-# (level, mode, low, high): the defaults of config.py (TIS C = 2, IcePop [0.5, 5]) and bounds that
+# (level, mode, low, high): the defaults of config/ (TIS C = 2, IcePop [0.5, 5]) and bounds that
 # make the sequence level bind on the test batch (its geometric means spread by ~0.3).
 CORRECTIONS = {
     "token_truncate": ("token", "truncate", None, 2.0),

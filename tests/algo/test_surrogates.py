@@ -21,7 +21,7 @@ from .test_corrections import behaviour_of
 
 TIGHT = {"rtol": 1e-10, "atol": 1e-12}
 # With the batch's spread of token log ratios (|d| up to ~1), w_high = 1.5 and eps = 0.3 bind
-# for some tokens and not for others; CISPO's defaults are (0, 5) (config.py).
+# for some tokens and not for others; CISPO's defaults are (0, 5) (config/).
 CISPO_BOUNDS = (0.7, 1.5)
 GMPO_EPSILON = 0.3
 

@@ -1,22 +1,25 @@
 """The asynchronous driver on a real embedded engine, reward runner and prompt stream, driven the
 way the loop drives it (start, sync, rollout, mark_trained, sync, ...) with the weights of other
-engines standing in for the trainer's updates.
+engines standing in for the trainer's updates; and what both batch sources share: aborted
+samples warned about only when a step trains them, a killed server brought back.
 """
 
 from __future__ import annotations
 
+import logging
+import signal
+import threading
 import time
 from contextlib import ExitStack
 
 import pytest
 import torch
 
-from megatron_gspo.async_driver import AsyncRolloutDriver
 from megatron_gspo.config import TrainConfig, from_dict
-from megatron_gspo.driver import RolloutDriver
-from megatron_gspo.ledger import read_trained_prompts
+from megatron_gspo.driver.build import build_rollout_driver
+from megatron_gspo.driver.ledger import read_trained_prompts
 from megatron_gspo.rollout.embedded import EmbeddedEngine
-from megatron_gspo.rollout.sglang_weights import DiskTransport
+from megatron_gspo.weight_sync import DiskTransport
 
 BATCH = 2
 GROUP = 4
@@ -67,7 +70,7 @@ def run_steps(driver, policies, steps: int, training=None) -> list:
 
 def producing(driver) -> None:
     """Training takes long enough for the engine to start on the next chunk."""
-    producer, engine = driver.background, driver.rollout_engine
+    producer, engine = driver.source.background, driver.rollout_engine
     wait_until(lambda: engine.num_running > 0 or len(producer.buffer) >= BATCH)
 
 
@@ -75,10 +78,10 @@ def test_bound_zero_gives_the_synchronous_batches(tmp_path, policies):
     """The producer thread with max_staleness 0 generates each step's batch after the step's
     weight sync, with the step's seeds: the synchronous driver's samples, bit for bit."""
     with ExitStack() as resources:
-        synchronous = RolloutDriver(config(tmp_path / "sync"), resources)
+        synchronous = build_rollout_driver(config(tmp_path / "sync"), resources)
         expected = run_steps(synchronous, policies, steps=3)
     with ExitStack() as resources:
-        asynchronous = AsyncRolloutDriver(config(tmp_path / "async"), resources)
+        asynchronous = build_rollout_driver(config(tmp_path / "async"), resources, background=True)
         batches = run_steps(asynchronous, policies, steps=3)
     for want, got in zip(expected, batches):
         assert len(got.samples) == BATCH * GROUP
@@ -95,7 +98,7 @@ def test_bound_zero_gives_the_synchronous_batches(tmp_path, policies):
 
 def test_one_step_off_policy_respects_the_bound_and_trains_each_prompt_once(tmp_path, policies):
     with ExitStack() as resources:
-        driver = AsyncRolloutDriver(config(tmp_path, max_staleness=1), resources)
+        driver = build_rollout_driver(config(tmp_path, max_staleness=1), resources, background=True)
         batches = run_steps(driver, policies, steps=4, training=producing)
         state = driver.state_dict()
     for step, batch in enumerate(batches):
@@ -115,12 +118,14 @@ def test_stale_groups_are_generated_again_not_trained(tmp_path, policies):
     old weights exceed the bound and go back to the prompt queue (counted), and the batch it
     gets comes from fresh generation of the same prompts."""
     with ExitStack() as resources:
-        driver = AsyncRolloutDriver(config(tmp_path, max_staleness=1), resources)
+        driver = build_rollout_driver(config(tmp_path, max_staleness=1), resources, background=True)
         driver.start(0, None)
         driver.sync_weights(iter(policies[0]), version=0)
         first = driver.rollout(0)
         driver.mark_trained(0)
-        wait_until(lambda: len(driver.background.buffer) == BATCH)  # step 1's, from version 0
+        wait_until(
+            lambda: len(driver.source.background.buffer) == BATCH
+        )  # step 1's, from version 0
         for version in (1, 2, 3):
             driver.sync_weights(iter(policies[version]), version=version)
         batch = driver.rollout(4)
@@ -141,7 +146,7 @@ def test_partial_rollouts_keep_each_tokens_version(tmp_path, policies):
     cfg.algo.response_length = 120
     cfg.rollout.min_new_tokens = 120  # long responses: the sync lands inside them
     with ExitStack() as resources:
-        driver = AsyncRolloutDriver(cfg, resources)
+        driver = build_rollout_driver(cfg, resources, background=True)
         driver.start(0, None)
         driver.sync_weights(iter(policies[0]), version=0)
         engine = driver.rollout_engine
@@ -166,10 +171,10 @@ def wait_until(condition, timeout_s: float = 120.0) -> None:
 def test_producer_failure_reaches_the_trainer(tmp_path, policies):
     """An error in the producer thread is raised by the trainer's next rollout, not lost."""
     with ExitStack() as resources:
-        driver = AsyncRolloutDriver(config(tmp_path, max_staleness=1), resources)
+        driver = build_rollout_driver(config(tmp_path, max_staleness=1), resources, background=True)
         driver.start(0, None)
         driver.sync_weights(iter(policies[0]), version=0)
-        driver.background.fail(RuntimeError("reward workers are gone"))
+        driver.source.background.fail(RuntimeError("reward workers are gone"))
         with pytest.raises(RuntimeError, match="reward workers are gone"):
             driver.rollout(0)
 
@@ -197,6 +202,7 @@ def teacher_forced_log_probs(model, sample) -> torch.Tensor:
     return log_probs.gather(1, sample.tokens[sample.prompt_length :].unsqueeze(1)).squeeze(1)
 
 
+@pytest.mark.slow
 def test_restarted_server_gets_the_trainers_weights_when_the_transport_keeps_none(
     tmp_path, policies
 ):
@@ -220,8 +226,8 @@ def test_restarted_server_gets_the_trainers_weights_when_the_transport_keeps_non
     cfg.rollout.min_new_tokens = 60  # the kill lands inside the generation
     trainer = {"version": 2}
     with ExitStack() as resources:
-        driver = AsyncRolloutDriver(
-            cfg, resources, weights=lambda: iter(policies[trainer["version"]])
+        driver = build_rollout_driver(
+            cfg, resources, weights=lambda: iter(policies[trainer["version"]]), background=True
         )
         engine = driver.rollout_engine
         engine.weight_transport = TransportWithoutACopy(str(tmp_path / "weights"))
@@ -230,7 +236,7 @@ def test_restarted_server_gets_the_trainers_weights_when_the_transport_keeps_non
         server = restart.__self__  # the EmbeddedServerProcess
         driver.start(2, None)
         driver.sync_weights(iter(policies[2]), version=2)
-        wait_until(lambda: driver.background.in_flight > 0)
+        wait_until(lambda: driver.source.background.in_flight > 0)
         server.process.process.send_signal(signal.SIGKILL)
         first = driver.rollout(2)  # waits; recovery; the trainer's weights; the batch
         driver.mark_trained(2)
@@ -248,3 +254,179 @@ def test_restarted_server_gets_the_trainers_weights_when_the_transport_keeps_non
     for sample in first.samples + whole:
         expected = teacher_forced_log_probs(models[sample.weight_version], sample)
         torch.testing.assert_close(sample.rollout_log_probs, expected, atol=1e-4, rtol=0)
+
+
+# ---------------------------------------------------------------------------------------------
+# Aborted samples: a warning only when they reach a trained batch
+# ---------------------------------------------------------------------------------------------
+
+ABORTED_WARNING = "rollout samples were aborted"
+
+
+def long_responses(cfg: TrainConfig) -> TrainConfig:
+    """Responses long enough for an abort (or a kill) to land inside the generation."""
+    cfg.algo.response_length = 120
+    cfg.rollout.min_new_tokens = 120
+    return cfg
+
+
+def abort_when_generating(engine) -> threading.Thread:
+    """Abort the embedded engine's generation once it runs (from another thread, as the
+    background producer's stop does)."""
+
+    def abort() -> None:
+        wait_until(lambda: engine.num_running > 0)
+        time.sleep(0.1)  # past the start of the decode loop, which reads the abort epoch
+        engine.abort()
+
+    thread = threading.Thread(target=abort)
+    thread.start()
+    return thread
+
+
+def aborted_warnings(caplog) -> list[str]:
+    return [
+        record.getMessage()
+        for record in caplog.records
+        if record.levelno >= logging.WARNING and ABORTED_WARNING in record.getMessage()
+    ]
+
+
+def test_work_cancelled_at_shutdown_is_not_a_training_warning(tmp_path, policies, caplog):
+    """The run ends while the producer generates the next chunk: stop aborts it. Those samples
+    reach no trained batch, so the log says the in-flight work was cancelled (INFO), and no
+    warning about aborted samples being kept out of the loss."""
+    caplog.set_level(logging.INFO, logger="megatron_gspo")
+    cfg = long_responses(config(tmp_path, max_staleness=1))
+    with ExitStack() as resources:
+        driver = build_rollout_driver(cfg, resources, background=True)
+        batches = run_steps(driver, policies, steps=1)
+        engine = driver.rollout_engine
+        wait_until(lambda: engine.num_running > 0)  # step 1's chunk, which no step trains
+        time.sleep(0.1)
+    assert not any(s.finish_reason == "abort" for s in batches[0].samples)
+    assert not aborted_warnings(caplog), aborted_warnings(caplog)
+    cancelled = [r for r in caplog.records if "cancelled" in r.getMessage()]
+    assert cancelled and all(r.levelno == logging.INFO for r in cancelled), caplog.text
+
+
+def test_aborted_groups_are_generated_again_and_counted_not_warned(tmp_path, policies, caplog):
+    """An abort in the middle of an asynchronous run: the groups with aborted samples go back
+    to the prompt queue (``requeued_lost``) and the batch is generated again, so no trained
+    batch holds an aborted sample and nothing warns that one was kept out of the loss."""
+    caplog.set_level(logging.INFO, logger="megatron_gspo")
+    cfg = long_responses(config(tmp_path, max_staleness=1))
+    with ExitStack() as resources:
+        driver = build_rollout_driver(cfg, resources, background=True)
+        driver.start(0, None)
+        aborting = abort_when_generating(driver.rollout_engine)
+        driver.sync_weights(iter(policies[0]), version=0)
+        aborting.join()
+        batch = driver.rollout(0)
+        driver.mark_trained(0)
+    assert batch.metrics["requeued_lost"] == BATCH
+    assert not any(s.finish_reason == "abort" for s in batch.samples)
+    assert sorted({s.group_id for s in batch.samples}) == [0, 1]  # the same prompts, again
+    assert not aborted_warnings(caplog), aborted_warnings(caplog)
+
+
+def test_aborted_samples_in_a_trained_batch_still_warn(tmp_path, policies, caplog):
+    """The synchronous source trains a step's aborted samples with an empty loss mask: that
+    is worth a warning, and the batch's metrics count them."""
+    cfg = long_responses(config(tmp_path))
+    with ExitStack() as resources:
+        driver = build_rollout_driver(cfg, resources)
+        driver.start(0, None)
+        driver.sync_weights(iter(policies[0]), version=0)
+        aborting = abort_when_generating(driver.rollout_engine)
+        batch = driver.rollout(0)
+        aborting.join()
+    assert batch.metrics["finish_abort_frac"] == 1.0
+    assert aborted_warnings(caplog) == [
+        f"{BATCH * GROUP} of {BATCH * GROUP} rollout samples were aborted; they are kept out of "
+        "the loss"
+    ]
+
+
+# ---------------------------------------------------------------------------------------------
+# A killed loopback server in the synchronous loop
+# ---------------------------------------------------------------------------------------------
+
+
+def server_process_config(tmp_path, **rollout) -> TrainConfig:
+    cfg = config(
+        tmp_path,
+        engine="embedded_http",
+        embedded_server_process=True,
+        engine_threads=1,
+        max_retries=1,  # the dead server is noticed after one retry
+        **rollout,
+    )
+    return long_responses(cfg)  # the kill lands inside the generation
+
+
+@pytest.mark.slow
+def test_synchronous_source_restarts_a_killed_server_and_generates_the_step_again(
+    tmp_path, policies
+):
+    """SIGKILL the loopback server process while a synchronous step generates, then again
+    between two steps (the weight sync finds it gone), with a weight transport that keeps no
+    copy: each time the source restarts it, gives it the trainer's weights (its ``weights``,
+    or the sync's own stream) and the step's prompts are generated again with the step's
+    seeds: the batches equal an uninterrupted run's."""
+    with ExitStack() as resources:
+        reference = build_rollout_driver(server_process_config(tmp_path / "reference"), resources)
+        reference.rollout_engine.weight_transport = TransportWithoutACopy(
+            str(tmp_path / "reference" / "weights")
+        )
+        reference.start(2, None)
+        reference.sync_weights(iter(policies[2]), version=2)
+        expected = [reference.rollout(2)]
+        reference.mark_trained(2)
+        reference.sync_weights(iter(policies[3]), version=3)
+        expected.append(reference.rollout(3))
+        reference.mark_trained(3)
+
+    cfg = server_process_config(tmp_path / "killed")
+    trainer = {"version": 2}
+    with ExitStack() as resources:
+        driver = build_rollout_driver(
+            cfg, resources, weights=lambda: iter(policies[trainer["version"]])
+        )
+        engine = driver.rollout_engine
+        engine.weight_transport = TransportWithoutACopy(str(tmp_path / "killed" / "weights"))
+        engine.retry_backoff_s = 0.05
+        (restart,) = engine._restarters.values()
+        server = restart.__self__  # the EmbeddedServerProcess
+        driver.start(2, None)
+        driver.sync_weights(iter(policies[2]), version=2)
+
+        def kill_when_generating() -> None:
+            wait_until(lambda: engine.servers[0].in_flight > 0)
+            time.sleep(0.05)  # the request has reached the server
+            server.process.process.send_signal(signal.SIGKILL)
+
+        killer = threading.Thread(target=kill_when_generating)
+        killer.start()
+        first = driver.rollout(2)  # the kill; restart; the trainer's weights; the step again
+        killer.join()
+        driver.mark_trained(2)
+        server.process.process.send_signal(signal.SIGKILL)
+        server.process.process.wait()
+        trainer["version"] = 3
+        synced = driver.sync_weights(iter(policies[3]), version=3)  # finds the server gone
+        second = driver.rollout(3)
+        driver.mark_trained(3)
+    assert server.restarts == 2
+    assert first.metrics["engine_restarts"] == 1 and second.metrics["engine_restarts"] == 2
+    assert synced["weight_sync_tensors"] == len(policies[3])
+    for want, got in zip(expected, [first, second]):
+        assert len(got.samples) == BATCH * GROUP
+        for a, b in zip(want.samples, got.samples):
+            assert torch.equal(a.tokens, b.tokens) and a.group_id == b.group_id
+            assert a.reward == b.reward and a.weight_version == b.weight_version
+            torch.testing.assert_close(a.rollout_log_probs, b.rollout_log_probs)
+        for key in ("reward_mean", "response_len_mean", "num_samples"):
+            assert got.metrics[key] == want.metrics[key]
+    trained = [line["prompt_ids"] for line in read_trained_prompts(tmp_path / "killed")]
+    assert trained == [line["prompt_ids"] for line in read_trained_prompts(tmp_path / "reference")]

@@ -14,7 +14,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from megatron_gspo.driver import WEIGHTS_WANTED, DriverFollower, broadcast_samples
+from megatron_gspo.driver.follower import DriverFollower
+from megatron_gspo.driver.interface import WEIGHTS_WANTED, broadcast_samples
 
 
 def free_port() -> int:

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from megatron_gspo.async_driver import ScoredGroup, StalenessBuffer
 from megatron_gspo.data.prompts import Prompt
-from megatron_gspo.metrics import staleness_metrics
+from megatron_gspo.driver.staleness import ScoredGroup, StalenessBuffer
+from megatron_gspo.metrics.step import staleness_metrics
 from megatron_gspo.samples import TrainSample
 
 
@@ -58,9 +58,9 @@ def test_staleness_metrics_count_versions_and_segments():
 
 
 def test_busy_time_within_a_window_counts_overlaps_only():
-    from megatron_gspo.async_driver import _Window
+    from megatron_gspo.driver.background import BusyWindow
 
-    window = _Window(intervals=[(0.0, 2.0), (3.0, 5.0)], busy_since=7.0)
+    window = BusyWindow(intervals=[(0.0, 2.0), (3.0, 5.0)], busy_since=7.0)
     assert window.busy_within(1.0, 4.0) == 1.0 + 1.0
     assert window.busy_within(5.0, 6.0) == 0.0
     assert window.busy_within(6.0, 8.0) == 1.0  # the interval still running counts up to the end

@@ -60,7 +60,7 @@ SCENARIOS = {
 
 def run_scenario(name: str, overrides: list[str], out_dir: Path) -> dict:
     from megatron_gspo import loop
-    from megatron_gspo.config_loader import load_config
+    from megatron_gspo.config.loader import load_config
     from megatron_gspo.engine.train_step import TrainEngine
     from megatron_gspo.rollout.embedded import EmbeddedEngine
 

@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.reward.sandbox_support import unavailable_reason
+from tests.reward.sandbox_support import require_sandbox, unavailable_reason
 
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "code_sandbox.py"
 
@@ -21,8 +21,9 @@ def test_one_round_reports_every_variant():
         timeout=300,
     )
     if unavailable_reason() is not None:
+        # It refuses, naming why; the benchmark itself was not measured: skipped (failed in CI).
         assert result.returncode != 0 and "cannot measure the sandbox here" in result.stderr
-        return
+        require_sandbox()
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout)
     assert set(report["variants"]) == {

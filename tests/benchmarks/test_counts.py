@@ -99,7 +99,7 @@ def _stream(runs: tuple[dict, Path], scenario: str) -> list[tuple[str, torch.Ten
 
 @pytest.mark.parametrize("bucket_kib", [32, 128, 1 << 20])
 def test_tensor_transport_buckets_carry_each_tensor_once(runs, bucket_kib):
-    from megatron_gspo.rollout.sglang_weights import iter_buckets, tensor_bytes
+    from megatron_gspo.weight_sync import iter_buckets, tensor_bytes
 
     stream = _stream(runs, "rollout")
     bucket_bytes = bucket_kib << 10
@@ -121,7 +121,7 @@ def test_tensor_transport_buckets_carry_each_tensor_once(runs, bucket_kib):
 def test_disk_transport_shards_carry_each_tensor_once(runs, tmp_path):
     from safetensors.torch import load_file
 
-    from megatron_gspo.rollout.sglang_weights import iter_buckets, write_hf_checkpoint
+    from megatron_gspo.weight_sync import iter_buckets, write_hf_checkpoint
 
     stream = _stream(runs, "rollout")
     shard_bytes = 64 << 10

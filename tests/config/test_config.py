@@ -15,7 +15,7 @@ from megatron_gspo.config import (
     TrainConfig,
     from_dict,
 )
-from megatron_gspo.config_loader import EXAMPLES_DIR, load_config
+from megatron_gspo.config.loader import EXAMPLES_DIR, load_config
 
 PRESETS = sorted(EXAMPLES_DIR.glob("*.yaml"))
 
@@ -253,27 +253,27 @@ def test_check_world():
 
 
 def test_algo_settings_translate_the_keys_once():
-    """``AlgoConfig`` is translated into the algorithm core's settings in one place, with
-    switched-off features as the settings' "off" values."""
-    from megatron_gspo import config
+    """``AlgoConfig`` says once which settings values its keys make; the algorithm core builds its
+    settings from them (``megatron_gspo.algo.settings``), with switched-off features as the
+    settings' "off" values."""
+    from megatron_gspo import algo, config
     from megatron_gspo.algo import (
-        KL_ESTIMATORS,
-        LOSS_AGG_MODES,
         AdvantageSettings,
         PolicyLossSettings,
-        corrections,
-        losses,
+        advantage_settings,
+        policy_loss_settings,
     )
 
-    # config.py keeps its own copy of each choice list (importing algo/ would import torch at
-    # --cfg time); they must name what the algorithm core accepts.
-    assert config.LOSS_AGG_MODES == LOSS_AGG_MODES and config.KL_ESTIMATORS == KL_ESTIMATORS
-    assert config.SURROGATES == losses.SURROGATES
-    assert tuple(losses.RATIO_FUNCTIONS) == config.IMPORTANCE_SAMPLING
-    assert ("none", *corrections.CORRECTION_LEVELS) == config.CORRECTION_LEVELS
-    assert config.CORRECTION_MODES == corrections.CORRECTION_MODES
+    # One list of each kind of name, in config/loss_rules.py (torch-free): the configuration
+    # checks its keys against the names the algorithm core accepts.
+    assert config.LOSS_AGG_MODES is algo.LOSS_AGG_MODES
+    assert config.KL_ESTIMATORS is algo.KL_ESTIMATORS
+    assert config.SURROGATES is algo.SURROGATES
+    assert tuple(algo.RATIO_FUNCTIONS) == config.IMPORTANCE_SAMPLING
+    assert ("none", *algo.CORRECTION_LEVELS) == config.CORRECTION_LEVELS
+    assert config.CORRECTION_MODES is algo.CORRECTION_MODES
     plain = load_quietly(None, ["algo.response_length=12"]).algo
-    assert plain.policy_loss_settings() == PolicyLossSettings(
+    assert policy_loss_settings(plain) == PolicyLossSettings(
         importance_sampling="seq",
         clip_low=3e-4,
         clip_high=4e-4,
@@ -286,10 +286,10 @@ def test_algo_settings_translate_the_keys_once():
         norm_length=12,
         log_ratio_clamp=10.0,
     )
-    assert plain.advantage_settings() == AdvantageSettings(estimator="grpo", kl_clamp=10.0)
+    assert advantage_settings(plain) == AdvantageSettings(estimator="grpo", kl_clamp=10.0)
     uncapped = load_quietly(None, ["algo.kl_clamp=null", "algo.loss_agg_mode=dr-grpo"]).algo
-    assert uncapped.policy_loss_settings().kl_clamp is None
-    assert uncapped.policy_loss_settings().loss_agg_mode == "dr-grpo"
+    assert policy_loss_settings(uncapped).kl_clamp is None
+    assert policy_loss_settings(uncapped).loss_agg_mode == "dr-grpo"
     on = AlgoConfig(
         importance_sampling="seq_token",
         dual_clip_loss=True,
@@ -300,13 +300,110 @@ def test_algo_settings_translate_the_keys_once():
         whiten_advantages=True,
         advantage_clip=2.0,
     )
-    loss = on.policy_loss_settings()
+    loss = policy_loss_settings(on)
     assert (loss.dual_clip_constant, loss.kl_coef) == (3.0, 0.02)
-    advantages = on.advantage_settings()
+    advantages = advantage_settings(on)
     assert advantages.per_token and advantages.token_level_kl_coef == 0.3
     assert (advantages.whiten, advantages.advantage_clip) == (True, 2.0)
     with pytest.raises(dataclasses.FrozenInstanceError):
         loss.kl_coef = 1.0
+    cispo = load_quietly(
+        None, ["algo.importance_sampling=token", "algo.surrogate=cispo", "algo.cispo.weight_high=2"]
+    ).algo
+    assert policy_loss_settings(cispo).cispo_weight_bounds == (0.0, 2.0)
+    gmpo = load_quietly(
+        None, ["algo.importance_sampling=token", "algo.surrogate=gmpo", "algo.gmpo.log_clip=0.2"]
+    ).algo
+    assert policy_loss_settings(gmpo).gmpo_log_clip == 0.2
+
+
+@pytest.mark.parametrize(
+    "settings,algo,key",
+    [
+        # The settings' field and the configuration's key of the same broken rule.
+        ({"surrogate": "cispo"}, {"surrogate": "cispo"}, "algo.importance_sampling"),
+        (
+            {"importance_sampling": "token", "surrogate": "gmpo", "gmpo_log_clip": 0.4,
+             "dual_clip_constant": 3.0},
+            {"importance_sampling": "token", "surrogate": "gmpo", "dual_clip_loss": True},
+            "algo.dual_clip_loss",
+        ),
+        (
+            {"importance_sampling": "token", "surrogate": "cispo",
+             "cispo_weight_bounds": (0.0, 0.5)},
+            {"importance_sampling": "token", "surrogate": "cispo",
+             "cispo": {"weight_high": 0.5}},
+            "algo.cispo.weight_low/high",
+        ),
+        ({"clip_high": 1.5}, {"clip_high": 1.5}, "algo.clip_high"),
+    ],
+)  # fmt: skip
+def test_config_and_settings_break_the_same_rule(settings, algo, key):
+    """One rule set (config/loss_rules.py): what the configuration refuses at its key, the
+    algorithm core's settings refuse too, with the same explanation."""
+    from megatron_gspo.algo import PolicyLossSettings, SettingsError
+
+    fields = dict(
+        importance_sampling="seq", clip_low=0.2, clip_high=0.2, loss_agg_mode="token-mean"
+    )
+    with pytest.raises(SettingsError) as settings_error:
+        PolicyLossSettings(**{**fields, **settings})
+    with pytest.raises(ConfigError) as config_error:
+        from_dict(AlgoConfig, algo, prefix="algo.")
+    assert_config_error(config_error.value, key, settings_error.value.why)
+    assert isinstance(settings_error.value, ValueError)
+
+
+def test_renamed_keys_keep_working_with_a_warning_naming_the_new_key(tmp_path):
+    """Old flat keys (rollout.sglang_*, algo.cispo_* / gmpo_*) are read as the new nested ones
+    for one release, on the command line, in a preset and in plain data, each with a warning
+    that names the new key."""
+    old = ["rollout.sglang_port=31000", "algo.gmpo_log_clip=0.3"]
+    with pytest.warns(ConfigWarning) as caught:
+        config = load_config(None, old)
+    assert (config.rollout.sglang.port, config.algo.gmpo.log_clip) == (31000, 0.3)
+    messages = [str(w.message) for w in caught]
+    assert any("'rollout.sglang.port'" in m for m in messages), messages
+    assert any("'algo.gmpo.log_clip'" in m for m in messages), messages
+    preset = write_preset(
+        tmp_path, "rollout:\n  sglang_tp: 2\n  sglang_extra_args: [--x]\n  sglang:\n    ep: 2\n"
+    )
+    with pytest.warns(ConfigWarning) as caught:
+        config = load_config(preset, ["rollout.sglang.port=31001"])
+    messages = [str(w.message) for w in caught]
+    assert any("'rollout.sglang.tp'" in m for m in messages), messages
+    assert any("'rollout.sglang.extra_args'" in m for m in messages), messages
+    assert (config.rollout.sglang.tp, config.rollout.sglang.ep) == (2, 2)
+    assert (config.rollout.sglang.extra_args, config.rollout.sglang.port) == (["--x"], 31001)
+    with pytest.warns(ConfigWarning, match="'algo.cispo.weight_high'"):
+        config = from_dict(TrainConfig, {"algo": {"cispo_weight_high": 3.0}})
+    assert config.algo.cispo.weight_high == 3.0
+
+
+def test_new_keys_load_without_a_warning():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ConfigWarning)
+        config = load_config(None, ["rollout.sglang.port=31000", "algo.cispo.weight_low=0.5"])
+    assert (config.rollout.sglang.port, config.algo.cispo.weight_low) == (31000, 0.5)
+
+
+@pytest.mark.parametrize(
+    "where",
+    ["overrides", "preset", "plain data"],
+)
+def test_a_key_given_under_its_old_and_new_name_is_an_error(tmp_path, where):
+    with pytest.raises(ConfigError) as error:
+        if where == "overrides":
+            load_quietly(None, ["rollout.sglang.host=10.0.0.1", "rollout.sglang_host=10.0.0.2"])
+        elif where == "preset":
+            body = "rollout:\n  sglang_host: 10.0.0.2\n  sglang:\n    host: 10.0.0.1\n"
+            load_quietly(write_preset(tmp_path, body))
+        else:
+            data = {"rollout": {"sglang_host": "10.0.0.2", "sglang": {"host": "10.0.0.1"}}}
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", ConfigWarning)
+                from_dict(TrainConfig, data)
+    assert_config_error(error.value, "rollout.sglang.host", "'rollout.sglang_host'")
 
 
 def test_prompt_file_with_the_synthetic_reward_warns(tmp_path):
@@ -359,9 +456,9 @@ CORRECTION = "algo.rollout_correction"
             [
                 "algo.importance_sampling=token",
                 "algo.surrogate=cispo",
-                "algo.cispo_weight_high=0.5",
+                "algo.cispo.weight_high=0.5",
             ],
-            "algo.cispo_weight_low/high",
+            "algo.cispo.weight_low/high",
             "contain 1",
         ),
         (
@@ -403,14 +500,16 @@ def test_impossible_mismatch_settings(overrides, key, fragment):
     ],
 )
 def test_correction_defaults_reach_the_loss(level, mode, bounds):
+    from megatron_gspo.algo import policy_loss_settings
+
     cfg = load_quietly(None, [f"{CORRECTION}.level={level}", f"{CORRECTION}.mode={mode}"])
-    correction = cfg.algo.policy_loss_settings().rollout_correction
+    correction = policy_loss_settings(cfg.algo).rollout_correction
     assert (correction.level, correction.mode, correction.low, correction.high) == (
         level,
         mode,
         *bounds,
     )
-    off = load_quietly(None, []).algo.policy_loss_settings()
+    off = policy_loss_settings(load_quietly(None, []).algo)
     assert off.rollout_correction is None and off.surrogate == "clip"
 
 
@@ -427,7 +526,7 @@ def test_sglang_return_routes_asks_sglang_for_routes_without_r3():
     routing metrics of every other variant (tools/compare_grpo_gspo.py's SGLang mode)."""
     cfg = load_config(None, ["rollout.engine=sglang", "algo.routing_replay=r2"])
     assert not cfg.requests_rollout_routes
-    cfg.rollout.sglang_return_routes = True
+    cfg.rollout.sglang.return_routes = True
     assert cfg.requests_rollout_routes
     cfg.algo.log_routing_change = False
     assert not cfg.requests_rollout_routes
@@ -440,7 +539,7 @@ def test_r3_with_sglang_warns_only_about_servers_it_does_not_launch(launch, warn
     overrides = [
         "rollout.engine=sglang",
         "algo.routing_replay=r3",
-        f"rollout.sglang_launch={launch}",
+        f"rollout.sglang.launch={launch}",
     ]
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

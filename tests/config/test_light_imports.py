@@ -43,9 +43,9 @@ def test_cfg_does_not_import_megatron():
 
 def test_loop_modules_do_not_import_megatron():
     loaded = _megatron_modules_after(
-        "import megatron_gspo.loop, megatron_gspo.driver, megatron_gspo.policy_stages\n"
-        "import megatron_gspo.run_setup, megatron_gspo.metrics, megatron_gspo.routes\n"
-        "import megatron_gspo.checkpoint_files, megatron_gspo.convert.export"
+        "import megatron_gspo.loop, megatron_gspo.driver, megatron_gspo.trainer.stages\n"
+        "import megatron_gspo.trainer.setup, megatron_gspo.metrics, megatron_gspo.samples.routes\n"
+        "import megatron_gspo.runtime.checkpoint_files, megatron_gspo.convert.export"
     )
     assert loaded == []
 

@@ -1,15 +1,20 @@
 """What reads a run's checkpoints without importing Megatron (the Ctrl-C resume hint, the summary
 at the end, the checkpoint converter): all read the checkpoint folder through
-``megatron_gspo/checkpoint_files.py``, the one place that knows its layout."""
+``megatron_gspo/runtime/checkpoint_files.py``, the one place that knows its layout."""
 
 from __future__ import annotations
 
 import json
 
-from megatron_gspo.checkpoint_files import FORMAT, MARKER, checkpoint_root, latest_checkpoint
 from megatron_gspo.config import TrainConfig
-from megatron_gspo.console import summarize
 from megatron_gspo.convert.export import resolve_checkpoint_dir
+from megatron_gspo.runtime.checkpoint_files import (
+    FORMAT,
+    MARKER,
+    checkpoint_root,
+    latest_checkpoint,
+)
+from megatron_gspo.runtime.console import summarize
 from megatron_gspo.train import interrupted_message, parse_args
 
 
@@ -59,7 +64,7 @@ def test_resumed_metrics_drop_the_steps_trained_again(tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     from megatron_gspo.config import LoggingConfig
-    from megatron_gspo.metrics import MetricsLogger, read_metrics
+    from megatron_gspo.metrics.sinks import MetricsLogger, read_metrics
 
     settings = LoggingConfig(tensorboard=True, progress_bar=False)
     killed = MetricsLogger(str(tmp_path), settings, total_steps=4)

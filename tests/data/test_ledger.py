@@ -7,7 +7,7 @@ import json
 import pytest
 
 from megatron_gspo.data import SyntheticPromptStream
-from megatron_gspo.ledger import TRAINED_PROMPTS_FILE, PromptLedger, read_trained_prompts
+from megatron_gspo.driver.ledger import TRAINED_PROMPTS_FILE, PromptLedger, read_trained_prompts
 
 
 def make_ledger(output_dir) -> PromptLedger:

@@ -39,13 +39,13 @@ def pins(path: Path) -> dict[str, str]:
 
 
 def checked_versions() -> tuple[str, ...]:
-    """``engine/compat.py``'s CHECKED_VERSIONS, read from the source (importing it imports
+    """``engine/shim_registry.py``'s CHECKED_VERSIONS, read from the source (importing it imports
     megatron.core)."""
-    tree = ast.parse((ROOT / "megatron_gspo" / "engine" / "compat.py").read_text())
+    tree = ast.parse((ROOT / "megatron_gspo" / "engine" / "shim_registry.py").read_text())
     for node in tree.body:
         if isinstance(node, ast.Assign) and node.targets[0].id == "CHECKED_VERSIONS":
             return ast.literal_eval(node.value)
-    raise AssertionError("engine/compat.py has no CHECKED_VERSIONS")
+    raise AssertionError("engine/shim_registry.py has no CHECKED_VERSIONS")
 
 
 def install_requires() -> dict[str, Requirement]:

@@ -9,6 +9,7 @@ fails on drift, and hadolint (when installed) finds nothing.
 from __future__ import annotations
 
 import ast
+import json
 import os
 import re
 import shutil
@@ -191,6 +192,21 @@ def test_training_runs_as_an_unprivileged_user_with_bubblewrap() -> None:
     assert "chown trainer:trainer outputs" in creating[0]  # where the presets write
     installs = [command for command in runs() if "apt-get install" in command]
     assert any(re.search(r"\bbubblewrap\b", command) for command in installs)
+
+
+def test_the_entrypoint_is_an_init() -> None:
+    """Without an init the trainer is the container's PID 1 and collects every orphan as a
+    zombie (each code sandbox leaves one): tini is installed and is the ENTRYPOINT, as a
+    subreaper (-s, so that it also works under `docker run --init`), in front of the base
+    image's own entry point, which the build checks is there."""
+    entrypoints = [arguments for keyword, arguments in instructions() if keyword == "ENTRYPOINT"]
+    assert len(entrypoints) == 1
+    command = json.loads(entrypoints[0])
+    assert command[:3] == ["/usr/bin/tini", "-s", "--"]
+    assert command[3:] == ["/opt/nvidia/nvidia_entrypoint.sh"]
+    installs = [command for command in runs() if "apt-get install" in command]
+    assert any(re.search(r"\btini\b", install) for install in installs)
+    assert any(f"test -x {command[3]}" in install for install in installs)
 
 
 def test_dockerignore_keeps_what_the_build_copies() -> None:

@@ -16,6 +16,7 @@ import socket
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -77,6 +78,10 @@ def test_help(name: str) -> None:
     assert os.access(SCRIPTS / name, os.X_OK), f"{name} is not executable"
 
 
+KEY_FILE_PLACEHOLDER = "<private file with the API key>"
+"""What a dry run prints for the file that hands SGLang its API key (common.sh)."""
+
+
 def test_single_node_colocated_commands() -> None:
     sglang, trainer = commands(run_script("launch_single_node.sh", "--dry-run", "steps=5"))
     # The server command is the one the trainer builds for its own servers, plus the memory saver.
@@ -90,15 +95,15 @@ def test_single_node_colocated_commands() -> None:
         enable_return_routed_experts=False,
         extra_args=["--enable-memory-saver"],
         python_executable=sys.executable,
-        api_key="***",  # a key made for the run, never printed
     )
-    assert sglang == expected
+    # A key made for the run goes to SGLang in a private file, never on the command line.
+    assert sglang == [*expected, "--config", KEY_FILE_PLACEHOLDER]
     assert trainer[:2] == ["env", "CUDA_DEVICE_MAX_CONNECTIONS=1"]
     assert trainer[2:7] == ["torchrun", "--standalone", "--nnodes", "1", "--nproc_per_node"]
     assert option(trainer, "--nproc_per_node") == "8"
     assert option(trainer, "--preset") == "qwen3_30b_a3b_gspo_1node"
-    assert "rollout.sglang_urls=[http://127.0.0.1:30000]" in trainer
-    assert "rollout.sglang_release_memory=true" in trainer
+    assert "rollout.sglang.urls=[http://127.0.0.1:30000]" in trainer
+    assert "rollout.sglang.release_memory=true" in trainer
     assert trainer[-1] == "steps=5", "the user's overrides come last, so they win"
 
 
@@ -114,7 +119,8 @@ def test_multi_node_colocated_r3_commands() -> None:
         "launch_multi_node.sh", "--dry-run", "--preset", "qwen3_30b_a3b_grpo_r3", env=env
     )
     sglang, trainer = commands(result)
-    assert option(sglang, "--api-key") == "***" and "shared-secret" not in result.stdout
+    assert option(sglang, "--config") == KEY_FILE_PLACEHOLDER and "--api-key" not in sglang
+    assert "shared-secret" not in result.stdout
     assert option(sglang, "--host") == "node2", "each node's server listens on its own address"
     assert "--enable-return-routed-experts" in sglang, "R3 needs the server's routed experts"
     assert "--enable-memory-saver" in sglang
@@ -127,15 +133,15 @@ def test_multi_node_colocated_r3_commands() -> None:
     }
     assert {name: option(trainer, name) for name in expected} == expected
     urls = ",".join(f"http://node{rank}:30000" for rank in range(4))
-    assert f"rollout.sglang_urls=[{urls}]" in trainer
+    assert f"rollout.sglang.urls=[{urls}]" in trainer
 
 
 def test_multi_node_dedicated_servers_switch_to_a_broadcast_transport() -> None:
     env = {"NNODES": "4", "NODE_RANK": "0", "MASTER_ADDR": "node0"}
     args = ["--dry-run", "--sglang", "dedicated", "--sglang-url", "http://rollout-0:30000"]
     (trainer,) = commands(run_script("launch_multi_node.sh", *args, env=env))
-    assert "rollout.sglang_urls=[http://rollout-0:30000]" in trainer
-    assert "rollout.sglang_release_memory=false" in trainer
+    assert "rollout.sglang.urls=[http://rollout-0:30000]" in trainer
+    assert "rollout.sglang.release_memory=false" in trainer
     assert "rollout.weight_transport=distributed" in trainer  # CUDA IPC needs shared GPUs
     (trainer,) = commands(
         run_script("launch_multi_node.sh", *args, "rollout.weight_transport=disk", env=env)
@@ -147,9 +153,10 @@ def test_dedicated_server_takes_the_key_from_the_environment() -> None:
     env = {"MEGATRON_GSPO_SGLANG_API_KEY": "dedicated-secret"}
     result = run_script("sglang_server.sh", "--dry-run", env=env)
     (server,) = commands(result)
-    assert option(server, "--api-key") == "***" and "dedicated-secret" not in result.stdout
+    assert option(server, "--config") == KEY_FILE_PLACEHOLDER and "--api-key" not in server
+    assert "dedicated-secret" not in result.stdout
     keyless = run_script("sglang_server.sh", "--dry-run")
-    assert "--api-key" not in commands(keyless)[0]
+    assert "--api-key" not in commands(keyless)[0] and "--config" not in commands(keyless)[0]
     assert "MEGATRON_GSPO_SGLANG_API_KEY is not set" in keyless.stderr
 
 
@@ -182,7 +189,7 @@ def test_cpu_preset_runs_without_sglang() -> None:
         ("launch_single_node.sh", ["--sglang", "dedicated"], {}, "needs the servers' URLs"),
         ("launch_single_node.sh", ["--nnodes", "2"], {}, "an option of launch_multi_node.sh"),
         ("launch_single_node.sh", ["--bogus"], {}, "unknown argument '--bogus'"),
-        ("sglang_server.sh", ["rollout.sglang_tp=4"], {}, "ep_size must divide tp_size"),
+        ("sglang_server.sh", ["rollout.sglang.tp=4"], {}, "ep_size must divide tp_size"),
         ("sglang_server.sh", ["--preset", "cpu_demo"], {}, "the preset has no model.hf_path"),
     ],
 )
@@ -196,8 +203,11 @@ def test_bad_settings_stop_before_anything_starts(name, args, env, message) -> N
 def test_docker_run_flags_and_secret_handling() -> None:
     env = {"IMAGE": "megatron-gspo:test", "WANDB_API_KEY": "do-not-print", "NCCL_DEBUG": "INFO"}
     (command,) = commands(run_script("docker_run.sh", "--dry-run", "echo", "hi", env=env))
-    for flag in ("--gpus", "--ipc=host", "--network", "--ulimit"):
+    for flag in ("--init", "--gpus", "--ipc=host", "--network", "--ulimit"):
         assert flag in command
+    # An init as PID 1 reaps orphans (the code sandbox's among them); it must come before the
+    # image, or docker passes it to the command.
+    assert command.index("--init") < command.index("megatron-gspo:test")
     assert option(command, "--gpus") == "all" and option(command, "--network") == "host"
     assert "do-not-print" not in " ".join(command), "the key is passed by name, not by value"
     assert command[command.index("WANDB_API_KEY") - 1] == "-e"
@@ -218,13 +228,18 @@ def test_docker_run_flags_and_secret_handling() -> None:
 
 STUB_SERVER = '''
 """Stand-in for `python -m sglang.launch_server`: answers /health_generate on --host/--port."""
-import argparse, http.server, os, sys
+import argparse, http.server, json, os, sys
 from pathlib import Path
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--host")
 parser.add_argument("--port", type=int)
+parser.add_argument("--config")
 args, _ = parser.parse_known_args()
+if args.config:  # SGLang's own --config file: the API key, as SGLang 0.5.23 reads it
+    key = json.loads(Path(args.config).read_text())["api-key"]
+    Path(os.environ["STUB_DIR"], "server.key").write_text(key)
+    Path(os.environ["STUB_DIR"], "server.config").write_text(args.config)
 Path(os.environ["STUB_DIR"], "server.pid").write_text(str(os.getpid()))
 Path(os.environ["STUB_DIR"], "server.argv").write_text("\\n".join(sys.argv[1:]))
 if os.environ.get("STUB_SERVER_FAILS"):
@@ -253,7 +268,7 @@ stub = Path(os.environ["STUB_DIR"])
 stub.joinpath("trainer.argv").write_text("\\n".join(sys.argv[1:]))
 stub.joinpath("trainer.env").write_text(os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS", ""))
 stub.joinpath("trainer.key").write_text(os.environ.get("MEGATRON_GSPO_SGLANG_API_KEY", ""))
-url = next(a for a in sys.argv if a.startswith("rollout.sglang_urls=")).split("=[")[1][:-1]
+url = next(a for a in sys.argv if a.startswith("rollout.sglang.urls=")).split("=[")[1][:-1]
 urllib.request.urlopen(url + "/health_generate", timeout=10).read()
 sys.exit(int(os.environ.get("STUB_TRAINER_EXIT", "0")))
 '''
@@ -309,13 +324,15 @@ def test_colocated_server_starts_before_the_trainer_and_stops_after_it(stand_ins
     server_argv = (stub / "server.argv").read_text().splitlines()
     assert "--enable-memory-saver" in server_argv
     trainer_argv = (stub / "trainer.argv").read_text().splitlines()
-    assert f"rollout.sglang_urls=[http://127.0.0.1:{stand_ins['port']}]" in trainer_argv
+    assert f"rollout.sglang.urls=[http://127.0.0.1:{stand_ins['port']}]" in trainer_argv
     assert (stub / "trainer.env").read_text() == "1"  # CUDA_DEVICE_MAX_CONNECTIONS
-    # The server requires a key made for this run, the trainer has the same, no log shows it.
-    key = server_argv[server_argv.index("--api-key") + 1]
+    # The server requires a key made for this run, read from a private file that is gone once
+    # the server answered; the trainer has the same key; no command line or log shows it.
+    key = (stub / "server.key").read_text()
     assert len(key) >= 32 and (stub / "trainer.key").read_text() == key
+    assert "--api-key" not in server_argv and key not in "\n".join(server_argv)
+    assert not Path((stub / "server.config").read_text()).exists()
     assert key not in result.stderr + result.stdout
-    assert "--api-key \\*\\*\\*" in result.stderr  # print_command's shell quoting of ***
     assert not process_alive(int((stub / "server.pid").read_text())), "server left running"
     assert (stub / "run" / "sglang" / "node0.log").is_file()
 
@@ -334,3 +351,43 @@ def test_server_that_dies_at_start_up_stops_the_launch(stand_ins) -> None:
     assert "exited during start-up" in result.stderr
     assert "failing at start-up as asked" in result.stderr  # the log's tail is shown
     assert not (stand_ins["dir"] / "trainer.argv").exists(), "the trainer must not start"
+
+
+def test_dedicated_server_reads_its_key_from_a_private_file(stand_ins) -> None:
+    """sglang_server.sh on its own: the key reaches the (stand-in) server in SGLang's --config
+    file, on no command line of the script or the server, and the file is gone once the server
+    answers; a TERM to the script stops the server."""
+    key = "dedicated-secret-0123456789abcdef"
+    environment = {
+        **os.environ,
+        "PYTHON": sys.executable,
+        "PYTHONWARNINGS": "ignore",
+        "MEGATRON_GSPO_OVERRIDES": "",
+        **stand_ins["env"],
+        "MEGATRON_GSPO_SGLANG_API_KEY": key,
+    }
+    command = ["bash", str(SCRIPTS / "sglang_server.sh"), "--host", "127.0.0.1"]
+    command += ["--port", str(stand_ins["port"])]
+    script = subprocess.Popen(command, env=environment, cwd=ROOT, stderr=subprocess.PIPE, text=True)
+    stub = stand_ins["dir"]
+    try:
+        deadline = time.monotonic() + 60
+        config = None
+        while time.monotonic() < deadline:
+            if (stub / "server.config").exists():
+                config = Path((stub / "server.config").read_text())
+                if not config.exists():
+                    break  # the script removed it: the server answered
+            assert script.poll() is None, script.stderr.read()
+            time.sleep(0.2)
+        assert config is not None and not config.exists(), "the key file outlived the start-up"
+        assert (stub / "server.key").read_text() == key
+        for pid in [script.pid, int((stub / "server.pid").read_text())]:
+            assert key not in Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
+    finally:
+        script.terminate()
+        script.wait(timeout=30)
+    deadline = time.monotonic() + 30
+    while process_alive(int((stub / "server.pid").read_text())) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not process_alive(int((stub / "server.pid").read_text())), "server left running"

@@ -67,7 +67,7 @@ def test_preset_by_name_from_the_installed_package(installed, tmp_path):
         installed,
         tmp_path,
         "-c",
-        "import megatron_gspo, megatron_gspo.config_loader as c; "
+        "import megatron_gspo, megatron_gspo.config.loader as c; "
         "print(megatron_gspo.__file__); print(c.presets_dir())",
     )
     assert where.returncode == 0, where.stderr[-3000:]

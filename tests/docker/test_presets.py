@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from megatron_gspo.config import ConfigWarning, TrainConfig, to_dict
-from megatron_gspo.config_loader import EXAMPLES_DIR, load_config
+from megatron_gspo.config.loader import EXAMPLES_DIR, load_config
 from megatron_gspo.convert.hf_config import model_config_fields_from_hf, model_config_from_hf
 
 PRESETS = sorted(path.stem for path in Path(EXAMPLES_DIR).glob("*.yaml"))
@@ -196,7 +196,7 @@ def test_grpo_r3_one_node_overrides_from_its_header_fit_eight_gpus() -> None:
     overrides = [
         "algo.rollout_batch_size=64",
         "algo.num_return_sequences_in_group=8",
-        "rollout.sglang_mem_fraction=0.4",
+        "rollout.sglang.mem_fraction=0.4",
     ]
     text = (Path(EXAMPLES_DIR) / "qwen3_30b_a3b_grpo_r3.yaml").read_text()
     assert " ".join(overrides) in text
@@ -207,17 +207,17 @@ def test_grpo_r3_one_node_overrides_from_its_header_fit_eight_gpus() -> None:
 def test_colocated_presets_release_sglang_memory(preset: str) -> None:
     rollout = load(preset).rollout
     assert rollout.engine == "sglang"
-    assert rollout.sglang_release_memory and rollout.weight_transport == "tensor"
-    assert rollout.sglang_tp == 8  # one server over each node's 8 GPUs
+    assert rollout.sglang.release_memory and rollout.weight_transport == "tensor"
+    assert rollout.sglang.tp == 8  # one server over each node's 8 GPUs
 
 
 def test_cpu_demo_is_the_schema_defaults() -> None:
-    """cpu_demo.yaml writes out every default; a changed default in config.py must change it too."""
+    """cpu_demo.yaml writes out every default; a changed default in config/ must change it too."""
     written = flatten(to_dict(load("cpu_demo")))
     defaults = flatten(to_dict(TrainConfig()))
     changed = sorted(key for key in defaults if written.get(key) != defaults[key])
     assert not changed, (
-        f"examples/moe/cpu_demo.yaml differs from config.py's defaults at {changed}: "
+        f"examples/moe/cpu_demo.yaml differs from config/'s defaults at {changed}: "
         "write the new defaults into it"
     )
 

@@ -1,5 +1,5 @@
 """The documentation says what the code does: the configuration reference is generated from
-config.py, the demo task is described one way, and the README's reward example runs."""
+config/, the demo task is described one way, and the README's reward example runs."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from megatron_gspo import config as config_module
 from megatron_gspo.config import DataConfig, TrainConfig
+from megatron_gspo.config.schema import section_type
 from megatron_gspo.data.synthetic import TASK_SUMMARIES
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -29,7 +29,7 @@ def test_configuration_reference_is_generated_from_config_py():
 
 def all_keys(cls=TrainConfig, prefix=""):
     for field in dataclasses.fields(cls):
-        sub = config_module._dataclass_of(field.type)
+        sub = section_type(cls, field.name)
         if sub is not None:
             yield from all_keys(sub, f"{prefix}{field.name}.")
         else:
@@ -43,14 +43,14 @@ def test_every_key_is_documented():
         for cls, name, key in all_keys()
         if name not in config_docs.field_docstrings(cls.__name__)
     ]
-    assert not undocumented, f"keys without a docstring in config.py: {undocumented}"
+    assert not undocumented, f"keys without a docstring in config/: {undocumented}"
     for _, _, key in all_keys():
         assert f"**`{key}`**" in page
 
 
 def test_type_error_points_to_a_page_that_exists():
     from megatron_gspo.config import ConfigError
-    from megatron_gspo.config_loader import load_config
+    from megatron_gspo.config.loader import load_config
 
     with pytest.raises(ConfigError) as error:
         load_config(None, ["steps=many"])
@@ -84,7 +84,7 @@ def test_the_demo_task_is_described_the_same_way_everywhere():
 
 def test_readme_reward_example_runs(tmp_path, monkeypatch):
     """The README's reward function and YAML, as written there, score samples."""
-    from megatron_gspo.config_loader import load_config
+    from megatron_gspo.config.loader import load_config
     from megatron_gspo.reward import RewardInput, RewardRunner
 
     readme = (REPO_ROOT / "README.md").read_text()

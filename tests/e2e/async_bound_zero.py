@@ -7,13 +7,14 @@ from __future__ import annotations
 import sys
 
 from megatron_gspo import driver, loop
-from megatron_gspo.async_driver import AsyncRolloutDriver
+from megatron_gspo.driver.build import build_rollout_driver
+from megatron_gspo.driver.follower import DriverFollower
 
 
 def build_driver(cfg, *, rank: int, resources, weights=None) -> driver.Driver:
     if rank == 0:
-        return AsyncRolloutDriver(cfg, resources, weights)
-    return driver.DriverFollower(weights)
+        return build_rollout_driver(cfg, resources, weights, background=True)
+    return DriverFollower(weights)
 
 
 if __name__ == "__main__":

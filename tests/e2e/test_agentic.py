@@ -5,6 +5,8 @@ protocol."""
 
 from __future__ import annotations
 
+import pytest
+
 from .harness import TINY, assert_records_equal, assert_required_metrics, run_train
 
 TOOL_TASK = (
@@ -62,6 +64,7 @@ def test_the_single_turn_environment_trains_exactly_as_without_one(gspo_run, tmp
         assert_records_equal(reference, actual)
 
 
+@pytest.mark.slow
 def test_the_tool_use_preset_cold_start_teaches_the_tool_protocol(tmp_path):
     """--preset cpu_tool_use with a shortened cold start (40 steps of 16 demonstrations at lr
     1e-2 instead of 100 of 32 at 3e-3; the calculator unconfined, the sandbox itself is tested in tests/envs/test_tools.py):

@@ -2,7 +2,7 @@
 
 The trainer starts reward worker processes and, at its first checkpoint, Megatron's writer
 result queue (a ``multiprocessing`` manager process); each must end when the trainer is killed
-(:mod:`megatron_gspo.lifetime`).
+(:mod:`megatron_gspo.runtime.lifetime`).
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import psutil
+import pytest
 
 from .harness import TINY, start, train_command, wait_for_step
 
@@ -171,9 +172,9 @@ def launched_server_overrides(tmp_path) -> list[str]:
     return [
         *TINY,
         "rollout.engine=sglang",
-        "rollout.sglang_launch=true",
+        "rollout.sglang.launch=true",
         "rollout.weight_transport=disk",
-        f"rollout.sglang_port={unassigned_port()}",
+        f"rollout.sglang.port={unassigned_port()}",
         f"model.hf_path={hf_dir}",
         f"output_dir={tmp_path / 'out'}",
     ]
@@ -195,12 +196,13 @@ def test_failed_run_stops_everything_it_started(tmp_path):
     ]
     result, alive = run_in_process(tmp_path, overrides)
     log = result.stdout + result.stderr
-    assert result.returncode == 3, log[-4000:]  # megatron_gspo.health.EXIT_CODE
+    assert result.returncode == 3, log[-4000:]  # megatron_gspo.runtime.health.EXIT_CODE
     assert "failed on every sample of 2 batches" in log, log[-4000:]
     assert "saved checkpoint" in log and "starting SGLang" in log, log[-4000:]
     assert alive == [], alive
 
 
+@pytest.mark.slow
 def test_failure_while_starting_stops_what_already_started(tmp_path):
     """The reward workers start, then the SGLang server dies while starting: the workers are
     stopped although the driver was never complete."""

@@ -1,4 +1,4 @@
-"""What a run prints (megatron_gspo/console.py): our messages only at INFO, each config warning
+"""What a run prints (megatron_gspo/runtime/console.py): our messages only at INFO, each config warning
 once, the outputs at start, the progress bar counting RL steps only, a summary at the end."""
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ def test_debug_keeps_megatron_messages():
     import logging
     import warnings
 
-    from megatron_gspo.console import configure_logging
+    from megatron_gspo.runtime.console import configure_logging
 
     root, megatron = logging.getLogger(), logging.getLogger("megatron")
     levels = root.level, megatron.level

@@ -3,6 +3,8 @@ and a resume after a dynamic-sampling step continues the prompt stream where it 
 
 from __future__ import annotations
 
+import pytest
+
 from .harness import TINY, assert_records_equal, assert_required_metrics, run_train
 
 DAPO = (
@@ -15,6 +17,7 @@ DAPO = (
 )
 
 
+@pytest.mark.slow
 def test_dapo_options_run_and_resume_exactly(tmp_path):
     reference = run_train(tmp_path / "reference", ["steps=2", *DAPO]).metrics()
     assert_required_metrics(reference, steps=2)

@@ -82,7 +82,7 @@ def test_active_parameters_match_the_model(architecture, fields):
 
 def test_summary_of_a_real_run(gspo_run):
     """The summary reads real metric names; with the CPU run's times the arithmetic holds."""
-    from megatron_gspo.config_loader import load_config
+    from megatron_gspo.config.loader import load_config
 
     script = load_script()
     cfg = load_config("cpu_demo", ["steps=3"])

@@ -16,7 +16,7 @@ import sys
 import pytest
 import torch
 
-from megatron_gspo.config_loader import load_config
+from megatron_gspo.config.loader import load_config
 
 from .harness import REPO_ROOT, subprocess_env
 

@@ -77,6 +77,7 @@ def test_two_nodes_match_one_process(gspo_run, tmp_path):
     assert len(os.listdir(output_dir / "tensorboard")) == 1
 
 
+@pytest.mark.slow
 def test_killed_agent_stops_the_other_node(tmp_path):
     """SIGKILL node 1's torchrun agent (its process group) mid-run.
 

@@ -27,8 +27,18 @@ LAYOUTS = {
 }
 
 
+SLOW_LAYOUTS = {"grpo-pp2.ep2"}
+"""Left to the full run (``--full``): tests/engine/test_layouts.py checks pp2 x ep2 in CI."""
+
+
 @pytest.mark.distributed
-@pytest.mark.parametrize("name", LAYOUTS)
+@pytest.mark.parametrize(
+    "name",
+    [
+        pytest.param(name, marks=pytest.mark.slow) if name in SLOW_LAYOUTS else name
+        for name in LAYOUTS
+    ],
+)
 def test_four_processes_match_one(name, gspo_run, grpo_run, tmp_path):
     layout, loss = LAYOUTS[name]
     reference = (grpo_run if loss else gspo_run).metrics()

@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from megatron_gspo.checkpoint_files import CheckpointError
+from megatron_gspo.runtime.checkpoint_files import CheckpointError
 
 from .harness import (
     LAYOUT_DEPENDENT,
@@ -49,7 +49,9 @@ def kill_and_resume(output_dir, overrides, nproc):
         first.kill()
     assert latest.exists(), "no checkpoint before the kill"
     resumed = run_train(output_dir, [*overrides, "resume=true"], nproc=nproc, timeout=240)
-    match = re.search(r"resuming from \S+step_0*(\d+)", resumed.log)  # run_setup.resume_checkpoint
+    match = re.search(
+        r"resuming from \S+step_0*(\d+)", resumed.log
+    )  # trainer.setup.resume_checkpoint
     assert match, f"no resume message in the log:\n{resumed.log[-3000:]}"
     start_step = int(match.group(1))
     assert KILLED_AFTER_STEP < start_step < 3, start_step
@@ -66,6 +68,7 @@ def test_kill_and_resume_one_process(gspo_run, tmp_path):
     assert start_step >= 1
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 def test_kill_and_resume_two_processes(gspo_run, tmp_path):
     """Expert and data parallel (ep2 x dp2) under torchrun: workers and agent killed together."""
@@ -84,8 +87,8 @@ def test_damaged_newest_checkpoint_falls_back_to_the_one_before(gspo_run, tmp_pa
     """A shard file of the newest checkpoint cut short (a full disk while copying it): the resume
     names the file, warns, and continues from the previous complete checkpoint, reproducing the
     uninterrupted run from there."""
-    from megatron_gspo.checkpoint_files import damaged_files
     from megatron_gspo.engine.checkpoint import resumable_checkpoint
+    from megatron_gspo.runtime.checkpoint_files import damaged_files
 
     output_dir = tmp_path / "out"
     overrides = [*TINY, "checkpoint.interval=1"]

@@ -66,7 +66,7 @@ def test_ctrl_c_dropped_inside_a_finalizer_is_raised_at_the_next_check():
     import os
     import signal
 
-    from megatron_gspo import health
+    from megatron_gspo.runtime import health
 
     class Finalized:
         def __del__(self):
@@ -92,7 +92,7 @@ def test_ctrl_c_during_a_checkpoint_save_waits_for_its_end():
     import os
     import signal
 
-    from megatron_gspo import health
+    from megatron_gspo.runtime import health
 
     previous = signal.getsignal(signal.SIGINT)
     finished = False

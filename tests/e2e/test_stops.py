@@ -1,4 +1,4 @@
-"""Guards that stop a run that can no longer learn (megatron_gspo.health), from the command line:
+"""Guards that stop a run that can no longer learn (megatron_gspo.runtime.health), from the command line:
 exit code 3, the reason, no traceback, and no step trained on after the stop."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import json
 import pytest
 
 from megatron_gspo.data import build_byte_tokenizer
-from megatron_gspo.health import EXIT_CODE
+from megatron_gspo.runtime.health import EXIT_CODE
 
 from .harness import TINY, run_train
 
@@ -60,7 +60,7 @@ def collapsed(**overrides) -> dict:
 
 
 def test_collapse_guard_counts_only_unexplained_zero_gradients():
-    from megatron_gspo.health import CollapseGuard, PolicyCollapsedError
+    from megatron_gspo.runtime.health import CollapseGuard, PolicyCollapsedError
 
     guard = CollapseGuard(3, vocab_size=16, lr=1e6)
     guard.check(collapsed())

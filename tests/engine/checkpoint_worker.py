@@ -226,8 +226,8 @@ def rng_and_directory_checks(run: Run, out: Path) -> None:
     import torch
     from megatron.core import dist_checkpointing, tensor_parallel
 
-    from megatron_gspo.checkpoint_files import latest_checkpoint, read_checkpoint_metadata
     from megatron_gspo.engine import checkpoint as ckpt
+    from megatron_gspo.runtime.checkpoint_files import latest_checkpoint, read_checkpoint_metadata
 
     root = out / "directories"
 

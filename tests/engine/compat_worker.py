@@ -92,6 +92,15 @@ def need_probes() -> dict:
             ".cuda()"
             in inspect.getsource(language_module.LanguageModule.setup_embeddings_and_output_layer)
         ),
+        # bf16 parameters are told apart by their CUDA type name, which CPU tensors lack.
+        "mixed_precision_type_names": lambda: (
+            torch.zeros(1, dtype=torch.bfloat16).type() == "torch.BFloat16Tensor"
+            and all(
+                "'torch.cuda.BFloat16Tensor'"
+                in inspect.getsource(getattr(importlib.import_module(module), name).__init__)
+                for module, name in cpu_shims.MIXED_PRECISION_OPTIMIZER_INITS
+            )
+        ),
         "te_general_gemm": lambda: (
             not hasattr(moe_utils, "te_general_gemm")
             and "te_general_gemm" in inspect.getsource(moe_utils.RouterGatingLinearFunction)
@@ -269,6 +278,34 @@ def works_checks() -> dict:
                     return False
         return getattr(shimmed, "_cpu_shim", False)
 
+    def mixed_precision() -> bool:
+        """Megatron's bf16 optimizer on CPU keeps an fp32 main copy of a bf16 parameter: an
+        update below half a bf16 ulp (1 - 5e-4 rounds back to 1 in bf16) stays in the main
+        parameter, and the model parameter is its bf16 rounding. (The distributed optimizer's
+        part is exercised by the bf16 dp2 / tp2 x ep2 layouts with it in test_layouts.py.)"""
+        from megatron.core.optimizer import OptimizerConfig
+        from megatron.core.optimizer.optimizer import Float16OptimizerWithFloat16Params
+
+        param = torch.nn.Parameter(torch.tensor([1.0, -2.0], dtype=torch.bfloat16))
+        config = OptimizerConfig(
+            optimizer="sgd", lr=5e-4, bf16=True, params_dtype=torch.bfloat16, clip_grad=0.0
+        )
+        inner = torch.optim.SGD([param], lr=5e-4)
+        optimizer = Float16OptimizerWithFloat16Params(inner, config, None, lambda *args: None)
+        param.main_grad = torch.tensor([1.0, -1.0])
+        optimizer.step()
+        (main,) = inner.param_groups[0]["params"]
+        return (
+            getattr(distrib_optimizer.DistributedOptimizer.__init__, "_cpu_shim", False)
+            and main is not param
+            and main.dtype == torch.float32
+            and torch.equal(main, torch.tensor([1.0 - 5e-4, -2.0 + 5e-4]))
+            and torch.equal(param.detach(), main.to(torch.bfloat16))
+            and torch.equal(param.detach(), torch.tensor([1.0, -2.0], dtype=torch.bfloat16))
+            # Scoped: outside the constructors a bf16 CPU tensor keeps its real type name.
+            and torch.zeros(1, dtype=torch.bfloat16).type() == "torch.BFloat16Tensor"
+        )
+
     return {
         "current_device": lambda: torch.cuda.current_device() == torch.device("cpu"),
         "cuda_allocations": lambda: all(
@@ -297,6 +334,7 @@ def works_checks() -> dict:
             getattr(LanguageModule.setup_embeddings_and_output_layer, "_cpu_shim", False)
             and _raises(lambda: torch.zeros(1).cuda())
         ),
+        "mixed_precision_type_names": mixed_precision,
         "te_general_gemm": lambda: (
             moe_utils.router_gating_linear(
                 torch.ones(3, 4), torch.ones(2, 4), None, torch.float32

@@ -26,8 +26,8 @@ from megatron_gspo.engine.hf_import_export import iter_full_megatron_weights, it
 from megatron_gspo.engine.parallel import destroy_parallel  # noqa: E402
 from megatron_gspo.engine.train_step import TrainEngine  # noqa: E402
 from megatron_gspo.rollout.embedded import EmbeddedEngine  # noqa: E402
-from megatron_gspo.rollout.types import StableTensorStream  # noqa: E402
 from megatron_gspo.rollout.weight_loader import HFWeightLayout  # noqa: E402
+from megatron_gspo.weight_sync import StableTensorStream  # noqa: E402
 
 
 def storages(tensors) -> set[int]:

@@ -28,6 +28,7 @@ import torch.distributed as dist
 warnings.filterwarnings("ignore")
 
 from megatron_gspo.config import TrainConfig, from_dict  # noqa: E402
+from megatron_gspo.engine.optimizer_state import sub_optimizers  # noqa: E402
 from megatron_gspo.engine.parallel import destroy_parallel  # noqa: E402
 from megatron_gspo.engine.sharding import gather_full_state  # noqa: E402
 from megatron_gspo.engine.train_step import TrainEngine  # noqa: E402
@@ -66,10 +67,13 @@ VARIANTS = {
     "icepop": dict(rollout_correction=dict(level="token", mode="mask", low=0.7, high=1.5)),
     "geo_truncate": dict(rollout_correction=dict(level="sequence", mode="truncate", high=1.05)),
     "geo_mask": dict(rollout_correction=dict(level="sequence", mode="mask", low=0.95, high=1.05)),
-    "cispo": dict(importance_sampling="token", surrogate="cispo", cispo_weight_high=1.005),
-    "gmpo": dict(importance_sampling="token", surrogate="gmpo", gmpo_log_clip=0.01),
+    "cispo": dict(importance_sampling="token", surrogate="cispo", cispo=dict(weight_high=1.005)),
+    "gmpo": dict(importance_sampling="token", surrogate="gmpo", gmpo=dict(log_clip=0.01)),
 }
 """Case name -> algo overrides on the ``moe`` model."""
+BF16_CASES = {"bf16": "moe"}
+"""Case name -> the model case it runs with ``model.dtype=bfloat16`` (bf16 parameters and compute,
+fp32 main parameters in the optimizer, gradients accumulated and reduced in fp32)."""
 
 
 def parallel_overrides(layout: str, micro_batch_tokens: int) -> dict:
@@ -89,8 +93,9 @@ def parallel_overrides(layout: str, micro_batch_tokens: int) -> dict:
 def make_config(case: str, layout: str, micro_batch_tokens: int) -> TrainConfig:
     parallel = parallel_overrides(layout, micro_batch_tokens)
     variant = VARIANTS.get(case, {})
-    model_case = "moe" if case in VARIANTS else case
-    model = dict(vocab_size=VOCAB, hidden_size=64, head_dim=16, **MODELS[model_case])
+    model_case = "moe" if case in VARIANTS else BF16_CASES.get(case, case)
+    dtype = "bfloat16" if case in BF16_CASES else "float32"
+    model = dict(vocab_size=VOCAB, hidden_size=64, head_dim=16, dtype=dtype, **MODELS[model_case])
     return from_dict(
         TrainConfig,
         dict(
@@ -161,12 +166,30 @@ def run_case(case: str, layout: str, micro_batch_tokens: int) -> dict:
     log_probs = engine.forward_log_probs(samples).log_probs
     seconds = time.perf_counter() - start
     return dict(
+        precision=precision(engine),
         weights0=weights0,
         grads=grads,
         weights1=weights1,
         metrics=metrics,
         log_probs=log_probs,
         seconds=seconds,
+    )
+
+
+def precision(engine: TrainEngine) -> dict[str, list[str]]:
+    """The dtypes this rank holds: model parameters, their DDP gradient buffers (``main_grad``),
+    the tensors the inner torch optimizer updates (Megatron's main parameters) and the log-probs."""
+    parameters = [p for chunk in engine.model for p in chunk.parameters()]
+    main = [
+        p
+        for sub in sub_optimizers(engine.optimizer)
+        for group in sub.optimizer.param_groups
+        for p in group["params"]
+    ]
+    return dict(
+        params=sorted({str(p.dtype) for p in parameters}),
+        main_grads=sorted({str(p.main_grad.dtype) for p in parameters}),
+        main_params=sorted({str(p.dtype) for p in main}),
     )
 
 
@@ -180,7 +203,11 @@ def compare(result: dict, reference: dict, *, distributed_optimizer: bool) -> di
     """Max errors of this rank's tensors against the one-process reference. The distributed
     optimizer reduce-scatters gradients (each rank keeps only its shard of ``main_grad``), so
     there only the step's outcome (grad norm, new weights) is compared."""
-    report: dict = {"names": sorted(result["grads"]), "seconds": result["seconds"]}
+    report: dict = {
+        "names": sorted(result["grads"]),
+        "seconds": result["seconds"],
+        "precision": result["precision"],
+    }
     report["weights0_max_abs"] = max(
         (result["weights0"][n] - reference["weights0"][n]).abs().max().item()
         for n in result["weights0"]
@@ -237,6 +264,17 @@ def reference_mode(cases: list[str], out: Path) -> None:
             loss=[m1["loss"], m4["loss"]],
         )
     (out / "micro_batch_invariance.json").write_text(json.dumps(invariance, indent=1))
+    # bf16 against fp32 from the same seed (the fp32 weights rounded to bf16 at the start).
+    gaps = {
+        case: compare(
+            torch.load(out / f"reference_{case}.pt", weights_only=False),
+            torch.load(out / f"reference_{model_case}.pt", weights_only=False),
+            distributed_optimizer=False,
+        )
+        for case, model_case in BF16_CASES.items()
+        if case in cases and model_case in cases
+    }
+    (out / "bf16_vs_fp32.json").write_text(json.dumps(gaps, indent=1))
 
 
 def layout_mode(runs: list[str], out: Path) -> None:

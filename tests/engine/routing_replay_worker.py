@@ -36,8 +36,8 @@ from megatron_gspo.engine.routing_replay import (  # noqa: E402
 )
 from megatron_gspo.engine.sharding import gather_full_state  # noqa: E402
 from megatron_gspo.engine.train_step import TrainEngine  # noqa: E402
-from megatron_gspo.routes import RouteError, topk_sets_differ  # noqa: E402
 from megatron_gspo.samples import TrainSample  # noqa: E402
+from megatron_gspo.samples.routes import RouteError, topk_sets_differ  # noqa: E402
 
 NUM_EXPERTS, TOPK, MOE_LAYERS = 8, 2, 4
 MICRO_BATCH_TOKENS = 60

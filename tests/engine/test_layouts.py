@@ -8,6 +8,22 @@ Qwen3 with tied embeddings; 8 samples of different lengths, two micro-batches in
 The MoE case also runs with each rollout correction (token TIS, token mask, geometric-mean
 sequence truncate and mask: the weights of sequences split by cp need the all-reduced mean) in
 dp2, cp2 and pp2, and with the CISPO and GMPO surrogates.
+
+The MoE case also runs in bf16 (``bf16``: ``model.dtype=bfloat16``, Megatron's mixed precision:
+bf16 parameters and compute, fp32 main parameters, gradients accumulated and reduced in fp32)
+against a one-process bf16 reference, in dp2, dp2 with the distributed optimizer, pp2, tp2, ep2,
+cp2, tp2 x ep2 and tp2 x ep2 with the distributed optimizer. Tolerances (``BF16_*`` below, and
+docs/megatron-cpu.md, "bf16 on CPU"): layouts that only move whole micro-batches or whole layers
+(dp, the distributed optimizer, pp) compute every bf16 product on the same operands in the same
+shapes, and their fp32 gradient reduction adds two per-micro-batch gradients in either order
+(exact for two terms): they must match bit for bit. Layouts that split a product or move where a
+bf16 rounding happens are not exact: tp2 rounds each rank's partial sum of a row-parallel GEMM to
+bf16 before the all-reduce, ep2 rounds an expert's weight gradient once over both micro-batches'
+tokens instead of once per micro-batch, cp2 splits the attention over key blocks. Each such
+rounding is a relative error of at most the bf16 unit roundoff u = 2^-8; through 4 layers forward
+and backward the measured worst (tp2 x ep2) is ~3.2 u on a gradient tensor (norm-relative) and
+~1.5 u on a log-prob (absolute, log-probs ~ -4.2); the bounds are ~10 u and ~5 u. A wrong
+gradient (a rank's micro-batch lost or counted twice, a missing tp all-reduce) is an O(1) error.
 """
 
 from __future__ import annotations
@@ -25,10 +41,30 @@ WORKER = Path(__file__).with_name("layout_worker.py")
 TOLERANCE = 1e-5
 """Relative (gradients: norm-relative per tensor) error allowed against one process, fp32."""
 
+BF16_UNIT_ROUNDOFF = 2.0**-8
+"""Relative error of one rounding to bf16 (8 significand bits)."""
+BF16_GRAD_TOLERANCE = 10 * BF16_UNIT_ROUNDOFF
+"""Norm-relative error per gradient tensor of a bf16 layout that moves roundings (measured on
+CPU, megatron-core 0.16.1: worst 1.25e-2, tp2 and tp2 x ep2)."""
+BF16_LOG_PROB_TOLERANCE = 5 * BF16_UNIT_ROUNDOFF
+"""Absolute log-prob error of such a layout (log-probs ~ -4.2; measured worst 5.9e-3)."""
+BF16_METRIC_TOLERANCE = 10 * BF16_UNIT_ROUNDOFF
+"""Relative error of the step's metrics (measured worst 5.4e-3: seq_log_ratio_mean, whose value
+~0.05 is a difference of log-probs; a clip fraction may move by one token in 78: 1.3e-2)."""
+BF16_WEIGHT_TOLERANCE = 2 * 1e-3 + 2.0**-12
+"""Weights after the AdamW step (lr 1e-3): Adam's first step moves each element by ~lr in the
+direction of its gradient's sign, so an element whose gradient is near 0 may move the other way
+in another layout (2 lr), plus half a bf16 ulp of the weights (|w| < 0.125: 2^-12); measured worst
+2^-9. The gradients, not the weights, are what catches a wrong step here."""
+BF16_EXACT_LAYOUTS = frozenset({"dp2", "dp2.distopt", "pp2"})
+"""bf16 layouts that must match one process bit for bit (whole micro-batches or layers moved)."""
+BF16_EXACT_METRIC_TOLERANCE = 1e-6
+"""Their metrics: the metric all-reduces sum per-rank fp32 partial sums in another order."""
+
 CORRECTIONS = ("tis", "icepop", "geo_truncate", "geo_mask")
 """MoE cases with a rollout correction (layout_worker.VARIANTS), in dp2, cp2 and pp2."""
 SURROGATES = ("cispo", "gmpo")
-CASES = ("moe", "qwen2", "dense", *CORRECTIONS, *SURROGATES)
+CASES = ("moe", "qwen2", "dense", *CORRECTIONS, *SURROGATES, "bf16")
 
 LAUNCHES = {
     2: [
@@ -48,6 +84,7 @@ LAUNCHES = {
         "cispo:cp2",
         "gmpo:cp2",
         "gmpo:pp2",
+        *(f"bf16:{layout}" for layout in ("dp2", "dp2.distopt", "pp2", "tp2", "ep2", "cp2")),
     ],
     4: [
         "moe:tp2.ep2",
@@ -58,6 +95,8 @@ LAUNCHES = {
         "moe:tp2.ep2.distopt",
         "qwen2:tp2.pp2",
         "dense:tp2.pp2",
+        "bf16:tp2.ep2",
+        "bf16:tp2.ep2.distopt",
     ],
     8: ["moe:tp2.pp2.ep2.cp2"],
 }
@@ -96,16 +135,72 @@ def test_one_vs_four_micro_batches(reference_dir):
         assert math.isclose(*result["loss"], rel_tol=1e-6), (case, result)
 
 
+def test_bf16_against_fp32(reference_dir):
+    """The one-process bf16 step against the fp32 step of the same seed (the fp32 initial weights
+    rounded to bf16). Measured on CPU (megatron-core 0.16.1; docs/megatron-cpu.md, "bf16 on CPU"):
+    initial weights 2.4e-4 apart (half a bf16 ulp of |w| < 0.125), gradients 8.3e-3 apart
+    relative to their global norm (per tensor: median 1.0e-2, worst 0.11 on an expert that gets
+    few tokens, where a bf16 router score can flip a token's top-k choice), log-probs 6.1e-3
+    (absolute), loss 2.4e-5 and grad norm 9.6e-4 (relative). The bounds: half an ulp for the
+    weights, 10 u on the global gradient, 5 u on the log-probs, 1e-3 on the loss and 10 u on the
+    grad norm; log-probs come out in fp32."""
+    import torch
+
+    bf16 = torch.load(reference_dir / "reference_bf16.pt", weights_only=False)
+    fp32 = torch.load(reference_dir / "reference_moe.pt", weights_only=False)
+    assert {tensor.dtype for tensor in bf16["weights1"].values()} == {torch.bfloat16}
+    assert {tensor.dtype for tensor in bf16["log_probs"]} == {torch.float32}
+    assert bf16["precision"]["main_params"] == ["torch.float32"]
+    gap = json.loads((reference_dir / "bf16_vs_fp32.json").read_text())["bf16"]
+    assert gap["weights0_max_abs"] <= 2.0**-12
+    squared_error = sum(
+        (bf16["grads"][n].double() - fp32["grads"][n].double()).square().sum()
+        for n in fp32["grads"]
+    )
+    squared_norm = sum(fp32["grads"][n].double().square().sum() for n in fp32["grads"])
+    assert math.sqrt(squared_error / squared_norm) < BF16_GRAD_TOLERANCE
+    assert 0.0 < gap["log_probs_max_abs"] < BF16_LOG_PROB_TOLERANCE
+    assert gap["metric_rel"]["loss"] < 1e-3
+    assert gap["metric_rel"]["grad_norm"] < BF16_GRAD_TOLERANCE
+
+
+def _check_bf16_report(layout: str, report: dict, where: str) -> None:
+    """A bf16 layout against the one-process bf16 step (tolerances above)."""
+    assert report["weights0_max_abs"] == 0.0, where
+    # Megatron's mixed precision: bf16 parameters, fp32 gradient buffers and main parameters.
+    assert report["precision"] == dict(
+        params=["torch.bfloat16"], main_grads=["torch.float32"], main_params=["torch.float32"]
+    ), where
+    exact = layout in BF16_EXACT_LAYOUTS
+    if "grad_max_rel" in report:
+        bound = 0.0 if exact else BF16_GRAD_TOLERANCE
+        assert report["grad_max_rel"] <= bound, (
+            where,
+            report["grad_max_rel"],
+            report["grad_worst"],
+        )
+    assert report["weights1_max_abs"] <= (0.0 if exact else BF16_WEIGHT_TOLERANCE), where
+    assert report["log_probs_max_abs"] <= (0.0 if exact else BF16_LOG_PROB_TOLERANCE), where
+    bound = BF16_EXACT_METRIC_TOLERANCE if exact else BF16_METRIC_TOLERANCE
+    for name, error in report["metric_rel"].items():
+        assert error < bound, (where, name, report["metrics"][name])
+    assert report["metrics"]["skipped"] == 0.0
+
+
 def _check_launch(world: int, reports: dict, reference_dir: Path) -> None:
     import torch
 
     for run in LAUNCHES[world]:
-        case = run.split(":")[0]
+        case, layout = run.split(":")
         reference = torch.load(reference_dir / f"reference_{case}.pt", weights_only=False)
         names = set()
         for rank, per_run in reports.items():
             report = per_run[run]
             where = f"{run} rank {rank}"
+            names.update(report["names"])
+            if case == "bf16":
+                _check_bf16_report(layout, report, where)
+                continue
             # Seed-determined init: the same full weights in every layout, bit for bit.
             assert report["weights0_max_abs"] == 0.0, where
             if "grad_max_rel" in report:
@@ -116,7 +211,6 @@ def _check_launch(world: int, reports: dict, reference_dir: Path) -> None:
             for name, error in report["metric_rel"].items():
                 assert error < TOLERANCE, (where, name, report["metrics"][name])
             assert report["metrics"]["skipped"] == 0.0
-            names.update(report["names"])
         # Every parameter of the one-process model was compared somewhere.
         assert names == set(reference["grads"]), (run, set(reference["grads"]) ^ names)
 

@@ -7,11 +7,19 @@ from collections.abc import Callable, Sequence
 from typing import Optional, TypeVar
 
 import pytest
+from tokenizers import Tokenizer, decoders, models
+from transformers import PreTrainedTokenizerFast
 
 from megatron_gspo.config import ModelConfig, TrainConfig, from_dict
 from megatron_gspo.data.prompts import Prompt
+from megatron_gspo.envs import EnvironmentFactory
+from megatron_gspo.production.episodes import EnvironmentProducer, EpisodeSettings
+from megatron_gspo.production.sampling import Sampling
+from megatron_gspo.production.task import Task
+from megatron_gspo.reward import RewardRunner
 from megatron_gspo.rollout.embedded import EmbeddedEngine
 from megatron_gspo.rollout.types import GenerateRequest, GenerateResult, RolloutEngine
+from tests.reward.sandbox_support import require_sandbox
 from tests.rollout.conftest import tiny_model_config
 
 EOS, OBS = 12, 13
@@ -22,9 +30,6 @@ def merging_tokenizer():
     """Ten letters a..j (ids 0..9), the merges ``ab`` (10) and ``cd`` (11), ``<eos>`` (12),
     ``<obs>`` (13), ``<unk>`` (14). Decoding ids 0, 1 gives "ab", which encodes as 10: text
     round-trips would change the model's tokens."""
-    from tokenizers import Tokenizer, decoders, models
-    from transformers import PreTrainedTokenizerFast
-
     vocab = {character: index for index, character in enumerate("abcdefghij")}
     vocab.update({"ab": 10, "cd": 11, "<eos>": EOS, "<obs>": OBS, "<unk>": 14})
     backend = Tokenizer(models.BPE(vocab=vocab, merges=[("a", "b"), ("c", "d")], unk_token="<unk>"))
@@ -61,6 +66,19 @@ def train_config(env: Optional[dict] = None, **sections) -> TrainConfig:
     return from_dict(TrainConfig, data)
 
 
+def environment_producer(
+    engine: RolloutEngine,
+    task: Task,
+    rewards: Optional[RewardRunner],
+    cfg: TrainConfig,
+    factory: EnvironmentFactory,
+) -> EnvironmentProducer:
+    """The run's producer of ``cfg`` (training sampling, ``env.*`` limits) with ``factory``."""
+    return EnvironmentProducer(
+        engine, task, rewards, Sampling.training(cfg), EpisodeSettings.from_config(cfg), factory
+    )
+
+
 def prompts(count: int = 2, length: int = 4, **metadata) -> list[Prompt]:
     return [
         Prompt(
@@ -75,19 +93,12 @@ def prompts(count: int = 2, length: int = 4, **metadata) -> list[Prompt]:
     ]
 
 
-def isolated_or_fail_closed(call: Callable[[], T]) -> Optional[T]:
-    """``call()`` where the sandbox can isolate code here; elsewhere assert that it fails closed
-    (raises the sandbox's error, or the start-up ConfigError) and return None: that was the
-    outcome (as tests/reward/sandbox_support.py does for the code reward)."""
-    from megatron_gspo.config import ConfigError
-    from megatron_gspo.reward.sandbox import SandboxUnavailableError, check_isolation
-
-    try:
-        check_isolation()
-    except SandboxUnavailableError:
-        with pytest.raises((SandboxUnavailableError, ConfigError), match="bubblewrap|sandbox"):
-            call()
-        return None
+def isolated_or_fail_closed(call: Callable[[], T]) -> T:
+    """``call()`` where the sandbox can isolate code here. Elsewhere the calling test is skipped
+    with bubblewrap's reason, and fails in CI (``tests/reward/sandbox_support.require_sandbox``):
+    a test of sandboxed tools never passes without its programs having run sandboxed. That the
+    sandbox fails closed is tested on purpose in tests/reward."""
+    require_sandbox()
     return call()
 
 

@@ -22,10 +22,12 @@ import torch  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from megatron_gspo.config import TrainConfig, from_dict  # noqa: E402
-from megatron_gspo.driver import Task  # noqa: E402
+from megatron_gspo.data.prompts import Prompt  # noqa: E402
 from megatron_gspo.engine.hf_import_export import iter_hf_weights  # noqa: E402
 from megatron_gspo.engine.train_step import TrainEngine  # noqa: E402
-from megatron_gspo.envs import EnvironmentProducer  # noqa: E402
+from megatron_gspo.production.episodes import EnvironmentProducer, EpisodeSettings  # noqa: E402
+from megatron_gspo.production.sampling import Sampling  # noqa: E402
+from megatron_gspo.production.task import Task  # noqa: E402
 from megatron_gspo.rollout.embedded import EmbeddedEngine  # noqa: E402
 from tests.envs.scripted import ScriptedEnvironment  # noqa: E402
 
@@ -64,8 +66,6 @@ def config() -> TrainConfig:
 
 
 def episodes(engine: TrainEngine, cfg: TrainConfig):
-    from megatron_gspo.data.prompts import Prompt
-
     rollout = EmbeddedEngine(cfg.model, seed=0)
     rollout.sync_weights(iter_hf_weights(engine.policy_chunks, cfg), version=1)
     batch = [
@@ -74,7 +74,12 @@ def episodes(engine: TrainEngine, cfg: TrainConfig):
     ]
     try:
         producer = EnvironmentProducer(
-            rollout, Task(None, None, [], EOS), None, cfg, factory=ScriptedEnvironment
+            rollout,
+            Task(None, None, [], EOS),
+            None,
+            Sampling.training(cfg),
+            EpisodeSettings.from_config(cfg),
+            factory=ScriptedEnvironment,
         )
         return producer.produce(batch, 0).samples
     finally:

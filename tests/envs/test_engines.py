@@ -7,11 +7,10 @@ from __future__ import annotations
 import torch
 
 from megatron_gspo.config import RolloutConfig
-from megatron_gspo.driver import Task
-from megatron_gspo.envs import EnvironmentProducer
+from megatron_gspo.production.task import Task
 from megatron_gspo.rollout.factory import build_rollout_engine
 
-from .conftest import EOS, OBS, prompts, tiny_moe, train_config
+from .conftest import EOS, OBS, environment_producer, prompts, tiny_moe, train_config
 from .scripted import ScriptedEnvironment
 
 
@@ -26,11 +25,11 @@ def test_http_engine_gives_the_in_process_trajectories(embedded, tokenizer):
         RolloutConfig(engine="embedded_http"), tiny_moe(), seed=5, enable_routed_experts=True
     )
     try:
-        over_http = EnvironmentProducer(http, task, None, cfg, factory=ScriptedEnvironment)
+        over_http = environment_producer(http, task, None, cfg, ScriptedEnvironment)
         remote = over_http.produce(batch, 3).samples
     finally:
         http.close()
-    local = EnvironmentProducer(embedded, task, None, cfg, factory=ScriptedEnvironment)
+    local = environment_producer(embedded, task, None, cfg, ScriptedEnvironment)
     expected = local.produce(batch, 3).samples
     assert max(int(s.turns.max()) for s in expected) >= 1, "one turn only: nothing to compare"
     for want, got in zip(expected, remote):

@@ -1,4 +1,4 @@
-"""The environment rollout (``envs/rollout.py``) with the embedded engine: token in / token out,
+"""The environment rollout (``production/episodes.py``) with the embedded engine: token in / token out,
 masks, log-probs, routes per turn, limits, failures, and equality with one completion per
 sample."""
 
@@ -8,12 +8,13 @@ import numpy as np
 import pytest
 import torch
 
-from megatron_gspo.driver import Task
-from megatron_gspo.envs import EnvironmentProducer
-from megatron_gspo.production import SingleTurnProducer
+from megatron_gspo.envs.single_turn import SingleTurnEnvironment
+from megatron_gspo.production.sampling import Sampling
+from megatron_gspo.production.single_turn import SingleTurnProducer
+from megatron_gspo.production.task import Task
 from megatron_gspo.reward import RewardRunner
 
-from .conftest import EOS, OBS, RecordingEngine, prompts, train_config
+from .conftest import EOS, OBS, RecordingEngine, environment_producer, prompts, train_config
 from .scripted import ScriptedEnvironment
 
 
@@ -21,7 +22,7 @@ def produce(engine, tokenizer, cfg, factory=ScriptedEnvironment, batch=None, ste
     task = Task(tokenizer, None, [], EOS)
     rewards = RewardRunner(cfg.reward) if cfg.reward.functions else None
     try:
-        producer = EnvironmentProducer(engine, task, rewards, cfg, factory=factory)
+        producer = environment_producer(engine, task, rewards, cfg, factory)
         return producer.produce(batch or prompts(), step)
     finally:
         if rewards is not None:
@@ -204,17 +205,19 @@ def test_a_failing_environment_aborts_its_trajectory_and_is_counted(embedded, to
 def test_the_single_turn_environment_makes_the_single_turn_samples(embedded, tokenizer):
     """One turn, scored by the reward functions: exactly the samples of one completion per
     sample (same seeds, tokens, log-probs, routes, rewards)."""
-    from megatron_gspo.envs.single_turn import SingleTurnEnvironment
-
     cfg = train_config(
         reward={"functions": ["tests.production.binary_rewards:first_digit_is_even"]}
     )
     batch = prompts(3)
     task = Task(tokenizer, None, [], EOS)
     with RewardRunner(cfg.reward) as rewards:
-        single = SingleTurnProducer(embedded, task, rewards, cfg).produce(batch, 4).samples
+        single = (
+            SingleTurnProducer(embedded, task, rewards, Sampling.training(cfg))
+            .produce(batch, 4)
+            .samples
+        )
         turns = (
-            EnvironmentProducer(embedded, task, rewards, cfg, factory=SingleTurnEnvironment)
+            environment_producer(embedded, task, rewards, cfg, SingleTurnEnvironment)
             .produce(batch, 4)
             .samples
         )

@@ -12,13 +12,16 @@ from megatron_gspo.data.prompts import Prompt
 from megatron_gspo.data.stream import synthetic_prompt
 from megatron_gspo.data.synthetic import draw_digits
 from megatron_gspo.data.tokenizer import EOS_TOKEN_ID, TOOL_TOKENS, build_synthetic_tokenizer
-from megatron_gspo.driver import Task
-from megatron_gspo.envs import EnvironmentProducer, EnvironmentSpec, Turn, load_environment
+from megatron_gspo.envs import EnvironmentSpec, Turn, load_environment
 from megatron_gspo.envs.multiply import MultiplyToolEnvironment
-from megatron_gspo.envs.rollout import demonstration_sample
 from megatron_gspo.envs.tools import PythonToolEnvironment, run_tool, tool_limits
+from megatron_gspo.production.episodes import EpisodeSettings, demonstration_sample
+from megatron_gspo.production.task import Task
+from megatron_gspo.rollout.embedded import EmbeddedEngine
+from megatron_gspo.samples import TrainSample
+from megatron_gspo.trainer.stages import _padded_turns
 
-from .conftest import isolated_or_fail_closed, train_config
+from .conftest import environment_producer, isolated_or_fail_closed, train_config
 from .scripted import ToolScriptEnvironment
 
 LIMITS = tool_limits(tool_timeout_s=2.0, tool_memory_mb=256, isolation="bubblewrap", key="test")
@@ -43,8 +46,6 @@ def test_tool_outcomes(program, status, output):
     # a crowded machine.
     limits = LIMITS if status == "timeout" else UNHURRIED
     result = isolated_or_fail_closed(lambda: run_tool(program, limits=limits))
-    if result is None:
-        return
     assert result.status == status, result
     if output is not None:
         assert result.output == output
@@ -84,17 +85,13 @@ def test_failing_tools_return_error_observations_and_are_counted(embedded):
             "response_length": 64,
         },
     )
-    from megatron_gspo.rollout.embedded import EmbeddedEngine
-
     engine = EmbeddedEngine(cfg.model, seed=0)
     task = Task(tokenizer, None, [], tokenizer.eos_token_id)
     try:
-        producer = EnvironmentProducer(engine, task, None, cfg, factory=ToolScriptEnvironment)
+        producer = environment_producer(engine, task, None, cfg, ToolScriptEnvironment)
         scored = isolated_or_fail_closed(lambda: producer.produce(batch, 0))
     finally:
         engine.close()
-    if scored is None:
-        return
     observations = []
     for sample in scored.samples:
         response = sample.tokens[sample.prompt_length :]
@@ -124,8 +121,6 @@ def test_python_tool_environment():
     step = isolated_or_fail_closed(
         lambda: environment.step(turn("Let me check.<code>print(sum(range(5)))</code>"))
     )
-    if step is None:
-        return
     assert tokenizer.decode(step.observation_ids) == "\n<output>\n10\n</output>\n"
     assert (step.tool_calls, step.tool_failures, step.done) == (1, 0, False)
     failed = environment.step(turn("<code>1/0</code>"))
@@ -150,8 +145,6 @@ def test_multiply_environment_episode():
     call, answer = environment.demonstration()
     assert call == [CALL, *prompt.prompt_ids[:9], CALL_END]
     step = isolated_or_fail_closed(lambda: environment.step(Turn(call, 0)))
-    if step is None:
-        return
     assert list(step.observation_ids) == [RESULT, *map(int, prompt.answer), RESULT_END]
     assert (step.tool_calls, step.tool_failures, step.done, step.reward) == (1, 0, False, 0.0)
     bad = environment.step(Turn([CALL, 1, 2, TOOL_TOKENS["*"], CALL_END, CALL_END], 1))
@@ -172,10 +165,10 @@ def test_the_demonstration_is_played_through_the_environment():
     prompt = multiply_prompt(3)
     task = Task(tokenizer, None, [], EOS_TOKEN_ID)
     sample = isolated_or_fail_closed(
-        lambda: demonstration_sample(MultiplyToolEnvironment, prompt, task, cfg)
+        lambda: demonstration_sample(
+            MultiplyToolEnvironment, prompt, task, EpisodeSettings.from_config(cfg)
+        )
     )
-    if sample is None:
-        return
     digits = list(map(int, prompt.answer))
     call = [CALL, *prompt.prompt_ids[:9], CALL_END]
     observation = [RESULT, *digits, RESULT_END]
@@ -216,9 +209,6 @@ def test_a_tool_environment_fails_closed_at_start_without_the_sandbox(monkeypatc
 
 
 def test_padded_turn_inputs_put_the_outcome_at_the_last_turn():
-    from megatron_gspo.policy_stages import _padded_turns
-    from megatron_gspo.samples import TrainSample
-
     multi = TrainSample(
         tokens=torch.arange(9),
         prompt_length=3,

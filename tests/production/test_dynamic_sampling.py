@@ -8,14 +8,15 @@ import logging
 import pytest
 
 from megatron_gspo.config import TrainConfig, from_dict
-from megatron_gspo.driver import build_task
-from megatron_gspo.production import (
-    ScoredSamples,
-    SingleTurnProducer,
+from megatron_gspo.production.producer import ScoredSamples
+from megatron_gspo.production.sampling import Sampling
+from megatron_gspo.production.single_turn import SingleTurnProducer
+from megatron_gspo.production.step_batch import (
     collect_step_batch,
     is_informative,
     merge_round_metrics,
 )
+from megatron_gspo.production.task import build_task
 from megatron_gspo.reward import RewardRunner
 from megatron_gspo.rollout.embedded import EmbeddedEngine
 
@@ -53,7 +54,8 @@ def make(reward: str, **algo):
     task = build_task(cfg)
     engine = EmbeddedEngine(cfg.model, seed=3)
     rewards = RewardRunner(cfg.reward)
-    return cfg, task, RecordingProducer(engine, task, rewards, cfg), (engine, rewards)
+    producer = RecordingProducer(engine, task, rewards, Sampling.training(cfg))
+    return cfg, task, producer, (engine, rewards)
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""megatron_gspo.lifetime: processes forked inside ``forks_die_with_parent`` end with a SIGKILLed
+"""megatron_gspo.runtime.lifetime: processes forked inside ``forks_die_with_parent`` end with a SIGKILLed
 parent; forks outside it (and forks of other threads) are left alone, as before."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import pytest
 PARENT = textwrap.dedent(
     """
     import os, signal, sys, threading, time
-    from megatron_gspo.lifetime import forks_die_with_parent
+    from megatron_gspo.runtime.lifetime import forks_die_with_parent
 
     def fork_sleeper():
         pid = os.fork()

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from megatron_gspo.config import ConfigError, TrainConfig, from_dict
-from megatron_gspo.production import finish_samples
+from megatron_gspo.production.producer import finish_samples
+from megatron_gspo.production.sampling import FinishSettings
 from megatron_gspo.reward.shaping import overlong_penalty
 from megatron_gspo.samples import TrainSample
 
@@ -53,7 +54,7 @@ def test_finish_samples_shapes_rewards_and_masks_truncated_responses():
         algo={"mask_truncated": True},
         reward={"overlong_buffer": 4, "overlong_penalty_factor": 2.0},
     )
-    metrics = finish_samples(samples, cfg=cfg)
+    metrics = finish_samples(samples, FinishSettings.from_config(cfg))
     # Penalty from 6 tokens on: -2 * (n - 6) / 4; the aborted sample is left alone.
     assert [s.reward for s in samples] == pytest.approx([1.0, 0.0, -1.0, 0.0])
     assert metrics["reward_overlong_penalty_mean"] == pytest.approx((0 - 1 - 2) / 4)
@@ -64,7 +65,7 @@ def test_finish_samples_shapes_rewards_and_masks_truncated_responses():
 
 def test_finish_samples_off_changes_nothing():
     samples = [sample(10, "length"), sample(3)]
-    assert finish_samples(samples, cfg=config()) == {}
+    assert finish_samples(samples, FinishSettings.from_config(config())) == {}
     assert [s.reward for s in samples] == [1.0, 1.0]
     assert all(s.loss_mask is None for s in samples)
 

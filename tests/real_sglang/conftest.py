@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from megatron_gspo.rollout.sglang_broadcast import free_port
+from megatron_gspo.weight_sync import free_port
 
 from .server import (
     SGLANG_VERSION,

@@ -9,7 +9,8 @@ The server is started by the project's own launcher (``build_launch_command`` +
 ``SGLangServerProcess``) with the flags SGLang's CPU backend needs
 (:mod:`megatron_gspo.rollout.sglang_cpu`), float32 on the plain-torch path
 (``SGLANG_CPU_DISABLE_AMX=1``) unless a test asks for bfloat16, ``--skip-tokenizer-init`` (the
-trainer sends token ids), ``--enable-return-routed-experts`` (R3) and a per-run ``--api-key``.
+trainer sends token ids), ``--enable-return-routed-experts`` (R3) and a per-run ``--api-key``
+(which the launcher passes in a ``--config`` file, never on the command line).
 """
 
 from __future__ import annotations
@@ -148,7 +149,7 @@ def export_model(model: ModelConfig, directory: Path, seed: int = 0) -> None:
     """A Hugging Face checkpoint (config.json + safetensors) of ``model`` with random weights."""
     from megatron_gspo.convert.hf_config import hf_config_from_model_config
     from megatron_gspo.rollout.embedded import EmbeddedEngine
-    from megatron_gspo.rollout.sglang_weights import write_hf_checkpoint
+    from megatron_gspo.weight_sync import write_hf_checkpoint
 
     engine = EmbeddedEngine(model, seed=seed)
     write_hf_checkpoint(
@@ -166,15 +167,19 @@ def start_server(
     log_path: Path,
     port: int,
     dtype: str = "float32",
+    skip_tokenizer_init: bool = True,
 ) -> RealServer:
     """Launch SGLang on 127.0.0.1:``port`` with ``--dtype dtype`` and wait until
     ``/health_generate`` answers (float32: the plain-torch path; bfloat16: SGLang's choice, the
-    AMX path on CPUs with AMX, see :mod:`megatron_gspo.rollout.sglang_cpu`)."""
+    AMX path on CPUs with AMX, see :mod:`megatron_gspo.rollout.sglang_cpu`).
+    ``skip_tokenizer_init=False`` loads the tokenizer in ``model_dir`` (text, stop strings,
+    ``min_new_tokens``)."""
     api_key = new_api_key()
     command = build_launch_command(
         str(model_dir),
         port=port,
         enable_return_routed_experts=True,
+        skip_tokenizer_init=skip_tokenizer_init,
         python_executable=python,
         api_key=api_key,
         extra_args=cpu_server_args(dtype),

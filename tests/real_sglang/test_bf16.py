@@ -31,11 +31,10 @@ import transformers
 from megatron_gspo.convert.hf_config import hf_config_from_model_config
 from megatron_gspo.rollout.embedded import EmbeddedEngine
 from megatron_gspo.rollout.hf_model import forward_with_routes
-from megatron_gspo.rollout.sglang_broadcast import free_port
 from megatron_gspo.rollout.sglang_client import SGLangEngine
 from megatron_gspo.rollout.sglang_protocol import RouteLayout
-from megatron_gspo.rollout.sglang_weights import DiskTransport, write_hf_checkpoint
 from megatron_gspo.rollout.types import GenerateRequest, sync_weights_paused
+from megatron_gspo.weight_sync import DiskTransport, free_port, write_hf_checkpoint
 
 from .server import SKIP_REASON, export_model, server_model_config, sglang_python, start_server
 
@@ -152,6 +151,7 @@ def test_bf16_log_probs_after_a_disk_sync(bf16_server, tmp_path):
     assert vs_old.mean() > 0.5, vs_old.mean()
 
 
+@pytest.mark.slow
 def test_compare_tool_mismatch_suite_on_sglang(venv_python, tmp_path, record_property):
     """tools/compare_grpo_gspo.py --suite mismatch --rollout-engine sglang, one GRPO + R3 step
     after the 10-step cold start: the run launches its own bf16 server from the SGLang venv,

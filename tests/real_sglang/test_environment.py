@@ -14,11 +14,17 @@ import numpy as np
 import pytest
 import torch
 import transformers
-from envs.conftest import EOS, OBS, merging_tokenizer, prompts, train_config
+from envs.conftest import (
+    EOS,
+    OBS,
+    environment_producer,
+    merging_tokenizer,
+    prompts,
+    train_config,
+)
 from envs.scripted import ScriptedEnvironment
 
-from megatron_gspo.driver import Task
-from megatron_gspo.envs import EnvironmentProducer
+from megatron_gspo.production.task import Task
 from megatron_gspo.rollout.hf_model import forward_with_routes
 from megatron_gspo.rollout.sglang_client import SGLangEngine
 from megatron_gspo.rollout.sglang_protocol import RouteLayout
@@ -41,7 +47,7 @@ def episodes(sglang_server):
     )
     task = Task(merging_tokenizer(), None, [], EOS)
     try:
-        producer = EnvironmentProducer(engine, task, None, cfg, factory=ScriptedEnvironment)
+        producer = environment_producer(engine, task, None, cfg, ScriptedEnvironment)
         yield producer.produce(prompts(2), step=3).samples
     finally:
         engine.close()

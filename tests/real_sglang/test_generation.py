@@ -9,8 +9,10 @@ samples; routed experts (R3) against the routers' own top-k.
 from __future__ import annotations
 
 import base64
+from pathlib import Path
 
 import numpy as np
+import psutil
 import pytest
 import requests
 import torch
@@ -209,6 +211,24 @@ def test_api_key_is_required(fresh_server):
         ).status_code
         == 401
     )
+    assert len(fresh_server.post("/generate", body)["output_ids"]) == 1
+
+
+def test_the_key_is_on_no_command_line(fresh_server):
+    """Every local user reads every process's ``/proc/<pid>/cmdline``: the launcher hands SGLang
+    the key in its ``--config`` file (owner-only, removed once the server answers), so neither
+    the server nor the scheduler and detokenizer it starts carry it on their command lines."""
+    root = psutil.Process(fresh_server.process.process.pid)
+    processes = [root, *root.children(recursive=True)]
+    assert len(processes) >= 3, [p.cmdline() for p in processes]  # scheduler, detokenizer
+    key = fresh_server.api_key.encode()
+    for process in processes:
+        command_line = Path(f"/proc/{process.pid}/cmdline").read_bytes()
+        assert key not in command_line, command_line.replace(key, b"<KEY>")
+    config = root.cmdline()[root.cmdline().index("--config") + 1]
+    assert not Path(config).exists()  # read at start; nothing left on disk
+    body = {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 1}}
+    assert requests.post(fresh_server.url + "/generate", json=body, timeout=60).status_code == 401
     assert len(fresh_server.post("/generate", body)["output_ids"]) == 1
 
 

@@ -30,9 +30,9 @@ import transformers
 
 from megatron_gspo.rollout.sglang_client import SGLangEngine
 from megatron_gspo.rollout.sglang_protocol import RouteLayout
-from megatron_gspo.rollout.sglang_weights import DiskTransport
 from megatron_gspo.rollout.types import GenerateRequest, RolloutEngineError, sync_weights_paused
 from megatron_gspo.rollout.weight_loader import iter_safetensors_directory
+from megatron_gspo.weight_sync import DiskTransport
 
 from .server import export_model
 

@@ -1,7 +1,7 @@
-"""What the trainer checks when it connects to SGLang servers (``factory.check_sglang_servers``),
-and releasing GPU memory, which SGLang on CPU cannot do.
+"""What the trainer checks when it connects to SGLang servers
+(``sglang_engine.check_sglang_servers``), and releasing GPU memory, which SGLang on CPU cannot do.
 
-``rollout.sglang_release_memory`` needs servers started with ``--enable-memory-saver``, which
+``rollout.sglang.release_memory`` needs servers started with ``--enable-memory-saver``, which
 needs CUDA: on CPU the run is refused at start. The calls themselves are SGLang 0.5.23's (the
 server answers them with 200 but, without the memory saver, frees nothing): after
 ``release_memory`` the client refuses to generate until ``sync_weights`` has resumed the
@@ -16,28 +16,30 @@ import pytest
 import torch
 import transformers
 
-from megatron_gspo.config import ConfigError, RolloutConfig
+from megatron_gspo.config import ConfigError, RolloutConfig, SGLangConfig
 from megatron_gspo.rollout.auth import API_KEY_ENV
 from megatron_gspo.rollout.factory import build_rollout_engine
 from megatron_gspo.rollout.sglang_client import SGLangEngine
 from megatron_gspo.rollout.sglang_protocol import RouteLayout
-from megatron_gspo.rollout.sglang_weights import DiskTransport
 from megatron_gspo.rollout.types import GenerateRequest, RolloutEngineError, sync_weights_paused
 from megatron_gspo.rollout.weight_loader import iter_safetensors_directory
+from megatron_gspo.weight_sync import DiskTransport
 
 
-def rollout_config(server, **overrides) -> RolloutConfig:
+def rollout_config(server, **sglang) -> RolloutConfig:
     return RolloutConfig(
-        engine="sglang", sglang_urls=[server.url], weight_transport="disk", **overrides
+        engine="sglang",
+        sglang=SGLangConfig(urls=[server.url], **sglang),
+        weight_transport="disk",
     )
 
 
 def test_release_memory_is_refused_at_start_on_cpu(fresh_server, monkeypatch, tmp_path):
     monkeypatch.setenv(API_KEY_ENV, fresh_server.api_key)
-    config = rollout_config(fresh_server, sglang_release_memory=True)
+    config = rollout_config(fresh_server, release_memory=True)
     with pytest.raises(ConfigError) as error:
         build_rollout_engine(config, fresh_server.model, work_dir=str(tmp_path))
-    assert error.value.key == "rollout.sglang_release_memory"
+    assert error.value.key == "rollout.sglang.release_memory"
     assert "--enable-memory-saver" in str(error.value) and "CPU" in str(error.value)
 
 

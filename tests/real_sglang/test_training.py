@@ -30,7 +30,7 @@ def sglang_run(fresh_server, monkeypatch, tmp_path):
                 "steps=2",
                 *TINY,
                 "rollout.engine=sglang",
-                f"rollout.sglang_urls=[{fresh_server.url}]",
+                f"rollout.sglang.urls=[{fresh_server.url}]",
                 *overrides,
             ],
             nproc=nproc,

@@ -27,13 +27,16 @@ from megatron_gspo.config import TrainConfig  # noqa: E402
 from megatron_gspo.engine.hf_import_export import iter_hf_weights  # noqa: E402
 from megatron_gspo.engine.train_step import TrainEngine  # noqa: E402
 from megatron_gspo.rollout.auth import api_key_from_environment  # noqa: E402
-from megatron_gspo.rollout.sglang_broadcast import DistributedTransport  # noqa: E402
 from megatron_gspo.rollout.sglang_client import SGLangEngine  # noqa: E402
 from megatron_gspo.rollout.sglang_protocol import RouteLayout  # noqa: E402
-from megatron_gspo.rollout.sglang_weights import DiskTransport, TensorTransport  # noqa: E402
 from megatron_gspo.rollout.types import GenerateRequest, sync_weights_paused  # noqa: E402
-from megatron_gspo.routes import topk_sets_differ  # noqa: E402
 from megatron_gspo.samples import TrainSample  # noqa: E402
+from megatron_gspo.samples.routes import topk_sets_differ  # noqa: E402
+from megatron_gspo.weight_sync import (  # noqa: E402
+    DiskTransport,
+    DistributedTransport,
+    TensorTransport,
+)
 from tests.engine.worker_launch import run_checks  # noqa: E402
 from tests.real_sglang.server import server_model_config  # noqa: E402
 

@@ -1,23 +1,24 @@
-"""Shared by the sandbox tests: whether the kernel can isolate code here, and a loopback
-listener that counts connections.
+"""Shared by the sandbox tests: whether the kernel can isolate code here, the ``sandbox``
+fixture's rule, and a loopback listener that counts connections.
 
-Every sandbox test asserts an outcome on both kinds of machine: where bubblewrap can isolate
-code, what the code could and could not do; where it cannot, that the call fails closed with
-the reason (never runs the code with less isolation).
+A test of the sandbox passes only when its programs ran in the sandbox: where bubblewrap cannot
+isolate code it is skipped with the reason, and in CI (``CI`` set to true, 1 or yes) it fails
+with the reason, so that a machine without a working sandbox never turns the sandbox's tests
+green. Failing closed (the refusal with the reason and the fix) has tests of its own, which make
+the sandbox unavailable on purpose (``MEGATRON_GSPO_BWRAP`` naming a missing or failing bwrap)
+and run everywhere.
 """
 
 from __future__ import annotations
 
+import os
 import socket
 import threading
-from collections.abc import Callable
-from typing import Optional, TypeVar
+from typing import Optional
 
 import pytest
 
 from megatron_gspo.reward.sandbox import SandboxUnavailableError, check_isolation
-
-T = TypeVar("T")
 
 
 def unavailable_reason() -> Optional[str]:
@@ -29,14 +30,20 @@ def unavailable_reason() -> Optional[str]:
     return None
 
 
-def isolated_or_fail_closed(call: Callable[[], T]) -> Optional[T]:
-    """``call()`` where the sandbox is available; elsewhere assert that it raises the
-    fail-closed error and return None (the caller then stops: that was the outcome)."""
-    if unavailable_reason() is None:
-        return call()
-    with pytest.raises(SandboxUnavailableError, match="bubblewrap"):
-        call()
-    return None
+def in_ci() -> bool:
+    """Whether the tests run in CI, where every sandbox test must run (``CI=true``)."""
+    return os.environ.get("CI", "").strip().lower() in ("true", "1", "yes")
+
+
+def require_sandbox() -> None:
+    """Return where the sandbox runs; elsewhere fail (in CI) or skip the calling test, with
+    bubblewrap's reason. Never lets a test pass without its programs having run sandboxed."""
+    reason = unavailable_reason()
+    if reason is None:
+        return
+    if in_ci():
+        pytest.fail(f"the code sandbox cannot run here, and CI must test it: {reason}")
+    pytest.skip(f"the code sandbox cannot run here: {reason}")
 
 
 class LoopbackListener:

