@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack
 from functools import partial
@@ -15,8 +14,6 @@ from megatron_gspo.driver.interface import Driver
 from megatron_gspo.driver.rollout_driver import RolloutDriver
 from megatron_gspo.driver.source import BatchSourceFactory
 from megatron_gspo.driver.synchronous import SynchronousSource
-
-logger = logging.getLogger(__name__)
 
 
 def build_driver(

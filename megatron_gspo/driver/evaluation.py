@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -13,9 +12,6 @@ from megatron_gspo.production.sampling import Sampling
 
 if TYPE_CHECKING:
     from megatron_gspo.data.prompts import Prompt
-
-
-logger = logging.getLogger(__name__)
 
 
 def evaluate(

@@ -2,14 +2,11 @@
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable, Iterator
 from typing import Any, Optional
 
 from megatron_gspo.driver.interface import Driver, RolloutBatch, WeightsWanted, broadcast_samples
 from megatron_gspo.samples import TrainSample
-
-logger = logging.getLogger(__name__)
 
 
 class DriverFollower(Driver):

@@ -13,7 +13,6 @@ therefore never tests the rank.
 from __future__ import annotations
 
 import abc
-import logging
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, Optional, Union
@@ -21,8 +20,6 @@ from typing import Any, Optional, Union
 import torch.distributed as dist
 
 from megatron_gspo.samples import TrainSample
-
-logger = logging.getLogger(__name__)
 
 
 @dataclass

@@ -3,16 +3,12 @@
 from __future__ import annotations
 
 import json
-import logging
 import math
 import os
 from pathlib import Path
 from typing import Any, Optional
 
 from megatron_gspo.config import LoggingConfig
-
-logger = logging.getLogger(__name__)
-
 
 # Metrics shown in the progress bar, in order.
 PROGRESS_KEYS = ("reward_mean", "clip_frac_token", "kl", "step_time_s")

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 import math
 from collections import defaultdict
 
@@ -11,8 +10,6 @@ import torch
 from megatron_gspo.algo import log_prob_gap
 from megatron_gspo.config import AlgoConfig
 from megatron_gspo.samples import TrainSample
-
-logger = logging.getLogger(__name__)
 
 
 def rollout_metrics(samples: list[TrainSample]) -> dict[str, float]:

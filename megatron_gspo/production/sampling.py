@@ -4,7 +4,6 @@ applied to the scored samples (:class:`FinishSettings`)."""
 from __future__ import annotations
 
 import dataclasses
-import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Optional
@@ -12,8 +11,6 @@ from typing import Optional
 from megatron_gspo.config import TrainConfig
 from megatron_gspo.rollout import GenerateRequest
 from megatron_gspo.runtime.seeds import step_seed
-
-logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
@@ -23,9 +22,6 @@ from megatron_gspo.samples import TrainSample
 
 if TYPE_CHECKING:
     from megatron_gspo.data.prompts import Prompt
-
-
-logger = logging.getLogger(__name__)
 
 
 class SingleTurnProducer(SampleProducer):

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 from typing import TYPE_CHECKING
 
 import torch
@@ -12,9 +11,6 @@ from megatron_gspo.samples import TrainSample
 
 if TYPE_CHECKING:
     from megatron_gspo.data.prompts import Prompt
-
-
-logger = logging.getLogger(__name__)
 
 
 def reference_sample(prompt: Prompt, task: Task) -> TrainSample:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional
 
@@ -14,9 +13,6 @@ if TYPE_CHECKING:
 
     from megatron_gspo.data.prompts import Prompt
     from megatron_gspo.data.stream import PromptStream
-
-
-logger = logging.getLogger(__name__)
 
 
 @dataclass
