@@ -38,13 +38,12 @@ What a process without the key can do stays cheap, because any local process can
 often as it likes: a keyless ``/health_generate`` runs no forward (a flood of them made
 ``/generate`` 10-20x slower, each taking turns at the model lock), and refused requests, connections
 the peer cut (reset, broken pipe: three tracebacks each before) and failed requests are counted
-in :attr:`EmbeddedServer.peer_events`, which logs :data:`LOG_BURST` lines of each kind per
-:data:`LOG_WINDOW_S` and sums up the rest in one line; a cut connection logs no traceback.
+in :attr:`EmbeddedServer.peer_events`, which logs :data:`~megatron_gspo.rollout.peer_events.LOG_BURST` lines of each kind per
+:data:`~megatron_gspo.rollout.peer_events.LOG_WINDOW_S` and sums up the rest in one line; a cut connection logs no traceback.
 """
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import json
 import logging
@@ -68,6 +67,7 @@ from megatron_gspo.rollout.auth import (
     new_api_key,
 )
 from megatron_gspo.rollout.embedded import EmbeddedEngine
+from megatron_gspo.rollout.peer_events import PeerEvents, peer_cut
 from megatron_gspo.rollout.sglang_protocol import RouteLayout, result_json
 from megatron_gspo.rollout.types import GenerateRequest, RolloutEngineError
 
@@ -80,10 +80,6 @@ nothing); without the key ``/health_generate`` runs no forward (it answers as ``
 HEALTH_CACHE_S = 1.0
 """How long the answer of a keyed ``/health_generate`` forward stands for the next ones: however
 often it is asked, the model runs at most one health forward per period."""
-LOG_BURST = 3
-"""Log lines per kind of peer event (refused request, cut connection, failed request) and
-:data:`LOG_WINDOW_S`; the rest of the window's events of that kind are summed up in one line."""
-LOG_WINDOW_S = 60.0
 
 _GENERATE_KEYS = {
     "input_ids",
@@ -224,62 +220,6 @@ def parse_generate_body(body: Any) -> tuple[list[GenerateRequest], int, bool, in
     return requests, n, is_single and n == 1, start_len
 
 
-class PeerEvents:
-    """Counts what peers make the server log (``counts``, by kind) and logs it boundedly:
-    :data:`LOG_BURST` lines per kind and :data:`LOG_WINDOW_S`, then one line per kind with the
-    number of the window's events not logged one by one (at the next event after the window,
-    or at :meth:`summarise`)."""
-
-    def __init__(self, burst: int = LOG_BURST, window_s: float = LOG_WINDOW_S):
-        self.burst = burst
-        self.window_s = window_s
-        self.counts: collections.Counter[str] = collections.Counter()
-        self._lock = threading.Lock()
-        self._window_start = time.monotonic()
-        self._logged: collections.Counter[str] = collections.Counter()
-        self._unlogged: collections.Counter[str] = collections.Counter()
-
-    def note(self, kind: str, level: int, message: str, *args: Any, exc_info: bool = False) -> None:
-        """Count one event of ``kind``; log ``message % args`` unless the window's burst of that
-        kind is spent (``exc_info``: with the traceback being handled)."""
-        with self._lock:
-            self._roll_window(force=False)
-            self.counts[kind] += 1
-            log = self._logged[kind] < self.burst
-            if log:
-                self._logged[kind] += 1
-            else:
-                self._unlogged[kind] += 1
-        if log:
-            logger.log(level, message, *args, exc_info=exc_info)
-
-    def summarise(self) -> None:
-        """Log what the current window did not log one by one, and start a new window."""
-        with self._lock:
-            self._roll_window(force=True)
-
-    def _roll_window(self, *, force: bool) -> None:
-        now = time.monotonic()
-        if not force and now - self._window_start < self.window_s:
-            return
-        for kind, count in sorted(self._unlogged.items()):
-            logger.warning(
-                "embedded server: %d more %s in the last %.0f s, not logged one by one",
-                count,
-                kind,
-                now - self._window_start,
-            )
-        self._window_start = now
-        self._logged.clear()
-        self._unlogged.clear()
-
-
-def _peer_cut(error: Optional[BaseException]) -> bool:
-    """Whether ``error`` means the peer went away (reset, broken pipe, time-out): nothing this
-    server did wrong, and nobody left to answer."""
-    return isinstance(error, (ConnectionError, TimeoutError))
-
-
 class _LoopbackHTTPServer(ThreadingHTTPServer):
     daemon_threads = True
     peer_events: PeerEvents
@@ -288,7 +228,7 @@ class _LoopbackHTTPServer(ThreadingHTTPServer):
         # socketserver's default prints a traceback to stderr for every failed connection,
         # those the peer cut included: any local process could fill the log at will.
         error = sys.exc_info()[1]
-        if _peer_cut(error):
+        if peer_cut(error):
             self.peer_events.note(
                 "cut connections",
                 logging.INFO,
@@ -326,7 +266,7 @@ class EmbeddedServer:
             if engine.moe_layer_indices
             else None
         )
-        self.peer_events = PeerEvents()
+        self.peer_events = PeerEvents(logger)
         """Refused requests, cut connections and failed requests: counted, logged boundedly."""
         self._health_lock = threading.Lock()
         self._health_checked_at: Optional[float] = None
@@ -572,7 +512,7 @@ class _Handler(BaseHTTPRequestHandler):
                     {"error": {"message": f"{method} {path} is not served by the embedded engine"}},
                 )
         except Exception as error:
-            if _peer_cut(error):
+            if peer_cut(error):
                 raise  # nobody to answer: the HTTP server counts it (_LoopbackHTTPServer)
             if isinstance(error, (ValueError, RolloutEngineError)):  # BadRequest included
                 self._reply(HTTPStatus.BAD_REQUEST, {"error": {"message": str(error)}})

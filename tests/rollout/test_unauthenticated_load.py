@@ -16,7 +16,8 @@ import pytest
 import requests
 
 from megatron_gspo.rollout.embedded import EmbeddedEngine
-from megatron_gspo.rollout.server import HEALTH_CACHE_S, LOG_BURST, EmbeddedServer
+from megatron_gspo.rollout.peer_events import LOG_BURST
+from megatron_gspo.rollout.server import HEALTH_CACHE_S, EmbeddedServer
 
 KEY = "the-runs-secret"
 BEARER = {"Authorization": f"Bearer {KEY}"}
