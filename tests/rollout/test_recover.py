@@ -44,66 +44,64 @@ def _kill(server: EmbeddedServerProcess) -> None:
     server.process.process.wait()
 
 
-def test_dead_server_process_comes_back_with_the_newest_weights(model_config, tmp_path):
-    server = EmbeddedServerProcess(
+@pytest.fixture
+def server(model_config, tmp_path):
+    """The loopback server in a child process, as a run launches it; stopped after the test."""
+    process = EmbeddedServerProcess(
         model_config, api_key=API_KEY, log_path=str(tmp_path / "server.log"), threads=1
     ).start()
-    try:
-        owner = _client(model_config, server.url, tmp_path, restarters={server.url: server.restart})
-        donor = EmbeddedEngine(model_config, seed=2)
-        owner.sync_weights(donor.hf_state(), version=3)
-        expected = donor.generate([_request()])[0]
-        assert owner.recover(60) is None  # nothing to do while it answers with version 3
-
-        # The client that launched it restarts it.
-        _kill(server)
-        with pytest.raises(RolloutEngineError, match="unreachable or died"):
-            owner.generate([_request()])
-        stats = owner.recover(120)
-        assert stats.weight_version == 3 and server.restarts == 1
-        (result,) = owner.generate([_request()])
-        assert result.weight_version == 3 and result.output_ids == expected.output_ids
-        np.testing.assert_allclose(result.output_log_probs, expected.output_log_probs, atol=1e-6)
-        # The process gets the key from its environment, never on its command line (which any
-        # local user reads in /proc), nor does anything it starts.
-        root = psutil.Process(server.pid)
-        for process in [root, *root.children(recursive=True)]:
-            command_line = Path(f"/proc/{process.pid}/cmdline").read_bytes()
-            assert API_KEY.encode() not in command_line, command_line
-        assert requests.get(server.url + "/model_info", timeout=10).status_code == 401
-
-        # A client that did not launch it waits for it (its operator restarts it), never
-        # restarts it, and sends the weights again once it answers.
-        guest = _client(model_config, server.url, tmp_path / "guest")
-        guest.sync_weights(donor.hf_state(), version=4)
-        _kill(server)
-        with pytest.raises(RolloutEngineError, match="did not answer again within 0s"):
-            guest.recover(0)
-        server.restart(120)
-        assert guest.recover(30).weight_version == 4
-        assert guest.generate([_request()])[0].output_ids == expected.output_ids
-    finally:
-        server.stop()
+    yield process
+    process.stop()
 
 
-def test_a_server_restarted_at_version_0_gets_the_weights_again(model_config, tmp_path):
+def test_dead_server_process_comes_back_with_the_newest_weights(model_config, tmp_path, server):
+    owner = _client(model_config, server.url, tmp_path, restarters={server.url: server.restart})
+    donor = EmbeddedEngine(model_config, seed=2)
+    owner.sync_weights(donor.hf_state(), version=3)
+    expected = donor.generate([_request()])[0]
+    assert owner.recover(60) is None  # nothing to do while it answers with version 3
+
+    # The client that launched it restarts it.
+    _kill(server)
+    with pytest.raises(RolloutEngineError, match="unreachable or died"):
+        owner.generate([_request()])
+    stats = owner.recover(120)
+    assert stats.weight_version == 3 and server.restarts == 1
+    (result,) = owner.generate([_request()])
+    assert result.weight_version == 3 and result.output_ids == expected.output_ids
+    np.testing.assert_allclose(result.output_log_probs, expected.output_log_probs, atol=1e-6)
+    # The process gets the key from its environment, never on its command line (which any
+    # local user reads in /proc), nor does anything it starts.
+    root = psutil.Process(server.pid)
+    for process in [root, *root.children(recursive=True)]:
+        command_line = Path(f"/proc/{process.pid}/cmdline").read_bytes()
+        assert API_KEY.encode() not in command_line, command_line
+    assert requests.get(server.url + "/model_info", timeout=10).status_code == 401
+
+    # A client that did not launch it waits for it (its operator restarts it), never
+    # restarts it, and sends the weights again once it answers.
+    guest = _client(model_config, server.url, tmp_path / "guest")
+    guest.sync_weights(donor.hf_state(), version=4)
+    _kill(server)
+    with pytest.raises(RolloutEngineError, match="did not answer again within 0s"):
+        guest.recover(0)
+    server.restart(120)
+    assert guest.recover(30).weight_version == 4
+    assert guest.generate([_request()])[0].output_ids == expected.output_ids
+
+
+def test_a_server_restarted_at_version_0_gets_the_weights_again(model_config, tmp_path, server):
     """A restarted server reports version 0 with its start-up weights; when the trainer's
     weights are version 0 too (a run that fails before its first update), they are sent again
     all the same."""
-    server = EmbeddedServerProcess(
-        model_config, api_key=API_KEY, log_path=str(tmp_path / "server.log"), threads=1
-    ).start()
-    try:
-        owner = _client(model_config, server.url, tmp_path, restarters={server.url: server.restart})
-        donor = EmbeddedEngine(model_config, seed=2)
-        owner.sync_weights(donor.hf_state(), version=0)
-        expected = donor.generate([_request()])[0]
-        _kill(server)
-        stats = owner.recover(120)
-        assert stats is not None and stats.weight_version == 0
-        assert owner.generate([_request()])[0].output_ids == expected.output_ids
-    finally:
-        server.stop()
+    owner = _client(model_config, server.url, tmp_path, restarters={server.url: server.restart})
+    donor = EmbeddedEngine(model_config, seed=2)
+    owner.sync_weights(donor.hf_state(), version=0)
+    expected = donor.generate([_request()])[0]
+    _kill(server)
+    stats = owner.recover(120)
+    assert stats is not None and stats.weight_version == 0
+    assert owner.generate([_request()])[0].output_ids == expected.output_ids
 
 
 def test_transport_without_a_copy_waits_for_the_trainers_sync(model_config, tmp_path):
