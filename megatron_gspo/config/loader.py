@@ -20,6 +20,7 @@ from megatron_gspo.config.schema import (
     RENAMED_KEYS,
     ConfigError,
     both_names_error,
+    field_types,
     from_dict,
     move_renamed_keys,
     renamed_key,
@@ -153,7 +154,7 @@ def open_sections(cls: type = TrainConfig, prefix: str = "") -> list[str]:
     """Keys of the free-form mappings in the schema (``reward.options``, ``env.options``): the
     user's own keys go below them, so no schema lists what they may hold."""
     found = []
-    hints = typing.get_type_hints(cls)
+    hints = field_types(cls)
     for field in dataclasses.fields(cls):
         sub = section_type(cls, field.name)
         if sub is not None:

@@ -6,6 +6,7 @@ checks of ``__post_init__`` methods, and building the tree from plain data
 from __future__ import annotations
 
 import dataclasses
+import functools
 import ipaddress
 import typing
 import warnings
@@ -182,7 +183,7 @@ def from_dict(cls: type, data: dict[str, Any], prefix: str = "") -> Any:
             f"write '{prefix}' as key: value pairs",
         )
     fields = {f.name: f for f in dataclasses.fields(cls)}
-    hints = typing.get_type_hints(cls)
+    hints = field_types(cls)
     kwargs = {}
     for key, value in data.items():
         full_key = f"{prefix}{key}"
@@ -242,11 +243,18 @@ def _type_error(key: str, value: Any, annotation: Any) -> None:
     )
 
 
+@functools.cache
+def field_types(cls: type) -> dict[str, Any]:
+    """The resolved type of each field of config dataclass ``cls`` (read-only: shared). String
+    annotations resolve in the module that defines ``cls``, which imports every section it
+    holds; resolved once per class, since every key of every load asks."""
+    return typing.get_type_hints(cls)
+
+
 def section_type(cls: type, field_name: str) -> Optional[type]:
     """The dataclass that field ``field_name`` of config dataclass ``cls`` holds (a nested
-    section), or None for a plain value. String annotations resolve in the module that defines
-    ``cls``, which imports every section it holds."""
-    hint = typing.get_type_hints(cls).get(field_name)
+    section), or None for a plain value."""
+    hint = field_types(cls).get(field_name)
     return hint if dataclasses.is_dataclass(hint) else None
 
 
