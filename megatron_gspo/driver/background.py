@@ -365,6 +365,9 @@ class BackgroundSource(BatchSource):
         # The thread starts at the first sync, once the engine has the trainer's weights.
         self._start_step = step
 
+    def run_totals(self) -> dict[str, float]:
+        return {name: float(count) for name, count in self.background.counts.items()}
+
     def stop(self) -> None:
         self.background.stop()
 
@@ -382,7 +385,6 @@ class BackgroundSource(BatchSource):
         metrics = {
             **_chunk_metrics(chunks),
             **staleness_metrics(samples, step, self.settings.max_staleness),
-            **{name: float(count) for name, count in self.background.counts.items()},
             "trainer_wait_s": waited,
             "time/rollout_s": returned - called,
         }

@@ -164,6 +164,7 @@ class RolloutDriver(Driver):
         return evaluate(self.make_producer, self.task.eval_prompts, self.cfg)
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
+        metrics = {**metrics, **self.source.run_totals()}
         self.logger.log(step, metrics)
         self._records.append({"step": step, **metrics})
 

@@ -13,8 +13,8 @@ sources:
 A source is built with what it uses (the run's sample producer, the prompt ledger, the rollout
 engine, its settings), never with the driver, and runs on global rank 0 only. The driver calls
 it in the loop's order: :meth:`~BatchSource.start`, then :meth:`~BatchSource.sync_weights`
-(the initial weights), then per step :meth:`~BatchSource.next_batch` and
-:meth:`~BatchSource.sync_weights`; :meth:`~BatchSource.stop` from the run's exit stack.
+(the initial weights), then per step :meth:`~BatchSource.next_batch`, :meth:`~BatchSource.sync_weights` and
+:meth:`~BatchSource.run_totals`; :meth:`~BatchSource.stop` from the run's exit stack.
 """
 
 from __future__ import annotations
@@ -73,6 +73,12 @@ class BatchSource(abc.ABC):
         engine as weight version ``version``, with whatever the source's requests in flight
         need (waited for, or paused in place). The sync's stats; None when no sync reached the
         engine (it failed and comes back without them: sent later)."""
+
+    @abc.abstractmethod
+    def run_totals(self) -> dict[str, float]:
+        """The source's counts over the whole run (engine restarts, prompts generated again),
+        read when a step's metrics line is written: a restart during the step's weight sync,
+        after its batch was made, is in that step's line."""
 
     @abc.abstractmethod
     def stop(self) -> None:

@@ -89,10 +89,7 @@ class SynchronousSource(BatchSource):
             # Colocated servers give their GPU memory to the trainer until the weight sync.
             self.rollout_engine.release_memory()
         samples = broadcast_samples(produced.samples)
-        metrics = dict(produced.metrics)
-        if self.engine_restarts:
-            metrics["engine_restarts"] = float(self.engine_restarts)
-        return StepBatch(samples, trained, dropped, metrics)
+        return StepBatch(samples, trained, dropped, dict(produced.metrics))
 
     def _produce(self, drawn: _DrawnPrompts, step: int) -> ScoredSamples:
         """The step's scored samples; after a failed engine is back, the same prompts again
@@ -131,6 +128,9 @@ class SynchronousSource(BatchSource):
         except RolloutEngineLost as lost:
             self.error = lost
             return None
+
+    def run_totals(self) -> dict[str, float]:
+        return {"engine_restarts": float(self.engine_restarts)} if self.engine_restarts else {}
 
     def stop(self) -> None:
         pass  # nothing runs between steps

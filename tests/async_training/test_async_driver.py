@@ -129,10 +129,11 @@ def test_stale_groups_are_generated_again_not_trained(tmp_path, policies):
         for version in (1, 2, 3):
             driver.sync_weights(iter(policies[version]), version=version)
         batch = driver.rollout(4)
+        totals = driver.source.run_totals()
         driver.mark_trained(4)
         pending = driver.state_dict()["pending_prompt_ids"]
     assert [s.group_id for s in first.samples[::GROUP]] == [0, 1]
-    assert batch.metrics["requeued_stale"] >= BATCH
+    assert totals["requeued_stale"] >= BATCH
     assert all(s.weight_version >= 3 for s in batch.samples)
     # Prompts 2 and 3 were not trained on their stale samples: they wait to be generated again.
     trained = [i for line in read_trained_prompts(tmp_path) for i in line["prompt_ids"]]
@@ -239,12 +240,13 @@ def test_restarted_server_gets_the_trainers_weights_when_the_transport_keeps_non
         wait_until(lambda: driver.source.background.in_flight > 0)
         server.process.process.send_signal(signal.SIGKILL)
         first = driver.rollout(2)  # waits; recovery; the trainer's weights; the batch
+        first_totals = driver.source.run_totals()
         driver.mark_trained(2)
         trainer["version"] = 3
         driver.sync_weights(iter(policies[3]), version=3)
         second = driver.rollout(3)
-    assert server.restarts == 1 and first.metrics["engine_restarts"] == 1
-    assert first.metrics["requeued_lost"] >= BATCH
+    assert server.restarts == 1 and first_totals["engine_restarts"] == 1
+    assert first_totals["requeued_lost"] >= BATCH
     assert all(sample.weight_version == 2 for sample in first.samples)
     assert all(sample.weight_version >= 2 for sample in second.samples)
     models = {k: EmbeddedEngine(TrainConfig().model, seed=100 + k).hf_model for k in (2, 3)}
@@ -323,8 +325,9 @@ def test_aborted_groups_are_generated_again_and_counted_not_warned(tmp_path, pol
         driver.sync_weights(iter(policies[0]), version=0)
         aborting.join()
         batch = driver.rollout(0)
+        totals = driver.source.run_totals()
         driver.mark_trained(0)
-    assert batch.metrics["requeued_lost"] == BATCH
+    assert totals["requeued_lost"] == BATCH
     assert not any(s.finish_reason == "abort" for s in batch.samples)
     assert sorted({s.group_id for s in batch.samples}) == [0, 1]  # the same prompts, again
     assert not aborted_warnings(caplog), aborted_warnings(caplog)
@@ -409,6 +412,7 @@ def test_synchronous_source_restarts_a_killed_server_and_generates_the_step_agai
         killer = threading.Thread(target=kill_when_generating)
         killer.start()
         first = driver.rollout(2)  # the kill; restart; the trainer's weights; the step again
+        first_totals = driver.source.run_totals()
         killer.join()
         driver.mark_trained(2)
         server.process.process.send_signal(signal.SIGKILL)
@@ -416,9 +420,10 @@ def test_synchronous_source_restarts_a_killed_server_and_generates_the_step_agai
         trainer["version"] = 3
         synced = driver.sync_weights(iter(policies[3]), version=3)  # finds the server gone
         second = driver.rollout(3)
+        second_totals = driver.source.run_totals()
         driver.mark_trained(3)
     assert server.restarts == 2
-    assert first.metrics["engine_restarts"] == 1 and second.metrics["engine_restarts"] == 2
+    assert first_totals["engine_restarts"] == 1 and second_totals["engine_restarts"] == 2
     assert synced["weight_sync_tensors"] == len(policies[3])
     for want, got in zip(expected, [first, second]):
         assert len(got.samples) == BATCH * GROUP

@@ -83,6 +83,18 @@ def server_processes(launch) -> list[psutil.Process]:
     return found
 
 
+def kill_the_server(launch) -> None:
+    """SIGKILL the run's one loopback server process with the trainer (a single process, the
+    server's parent) stopped meanwhile: a step takes about a second, and a loaded machine could
+    otherwise let the run finish before the kill lands, leaving nothing to recover."""
+    launch.process.send_signal(signal.SIGSTOP)
+    try:
+        (server,) = server_processes(launch)
+        server.send_signal(signal.SIGKILL)
+    finally:
+        launch.process.send_signal(signal.SIGCONT)
+
+
 def test_bound_zero_is_the_synchronous_loop_bit_for_bit(gspo_run, tmp_path):
     """The asynchronous driver at max_staleness 0 (its producer thread generates each batch after
     the step's weight sync) gives the synchronous run's metrics and weights and optimizer state
@@ -134,8 +146,7 @@ def test_killed_server_is_restarted_and_resynced(tmp_path):
         # After step 0: the producer may run a step ahead, and the sync after the next step
         # still needs the server, so a later step's record counts the restart.
         wait_for_step([launch], output_dir, 0, timeout=240)
-        (server,) = server_processes(launch)
-        server.send_signal(signal.SIGKILL)
+        kill_the_server(launch)
         assert launch.wait(timeout=300) == 0, tail(launch.log)
     finally:
         launch.kill()
@@ -173,8 +184,7 @@ def test_killed_server_is_restarted_in_the_synchronous_loop(gspo_run, tmp_path):
     launch = start(train_command(overrides), output_dir)
     try:
         wait_for_step([launch], output_dir, 0, timeout=240)  # steps 1 and 2 need the server
-        (server,) = server_processes(launch)
-        server.send_signal(signal.SIGKILL)
+        kill_the_server(launch)
         assert launch.wait(timeout=300) == 0, tail(launch.log)
     finally:
         launch.kill()
@@ -207,8 +217,7 @@ def test_engine_that_cannot_come_back_stops_with_a_checkpoint(tmp_path):
     )
     try:
         wait_for_step([launch], output_dir, 0, timeout=240)  # steps 1-3 need the server
-        (server,) = server_processes(launch)
-        server.send_signal(signal.SIGKILL)
+        kill_the_server(launch)
         returncode = launch.wait(timeout=300)
     finally:
         launch.kill()
