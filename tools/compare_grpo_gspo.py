@@ -62,12 +62,26 @@ paper (GRPO clips ~0.1-0.3% of tokens there). ``--quick`` (what CI runs) uses ``
 Writes to --out: one run directory per variant, summary.json, summary.md and PNG plots (reward,
 clip fraction on a log scale, routing change, trainer-vs-rollout log-prob gap).
 
+Seeds (``--seeds N``): every variant runs at seeds S, S+1, ..., S+N-1 (S: ``--seed``, default
+1234), each into ``--out/<variant>/seed_<seed>``; the seed changes the initial weights, the prompt
+order and sampling (``rollout.seed`` follows it unless set). ``--jobs J`` runs J at once (each
+with 1/J of the cores). A run that finished is kept (``compare_run.json`` beside its metrics), so a
+killed comparison continues where it stopped when the same command runs again. The summary gives
+each statistic as the mean across seeds with its 95% Student-t interval, and each variant's
+paired difference from the first variant on the same seeds with its interval and whether that
+excludes zero; the plots show the mean curve with the interval as a band. The statistics
+(``tools/compare_statistics.py``): area under the reward curve per step, final reward (mean of
+the last tenth of the steps), steps to ``--reward-threshold`` (trailing mean of 5 steps), clip
+fractions, routing volatility (mean routing change), grad-norm spikes and collapse (the trailing
+mean falls more than ``--collapse-drop`` below its best and stays down).
+
 Examples:
   python tools/compare_grpo_gspo.py --quick --out compare/
   python tools/compare_grpo_gspo.py --suite mismatch --regime paper --steps 60 --out mismatch/
   python tools/compare_grpo_gspo.py --suite mismatch --quick --rollout-engine sglang \\
       --sglang-python /venvs/sglang/bin/python --out mismatch_sglang/
   python tools/compare_grpo_gspo.py --suite async --steps 20 --out async/
+  python tools/compare_grpo_gspo.py --quick --seeds 4 --jobs 2 --out compare_seeds/
   python tools/compare_grpo_gspo.py --out compare/ --steps 100 -- model.hf_path=/models/Qwen3-30B-A3B
   python tools/compare_grpo_gspo.py --preset qwen3_30b_a3b_gspo_4node --out /shared/compare \\
       --launcher "torchrun --nnodes 4 --node_rank $NODE_RANK --nproc_per_node 8 \\
@@ -94,6 +108,11 @@ from compare_sglang import (  # noqa: E402
     SGLANG_VENV_ENV,
     SGLangMode,
     prepare_sglang,
+)
+from compare_statistics import (  # noqa: E402
+    mean_interval,
+    paired_difference,
+    reward_curve_statistics,
 )
 
 GSPO = ["algo.importance_sampling=seq", "algo.clip_low=3e-4", "algo.clip_high=4e-4"]
@@ -164,6 +183,11 @@ QUICK = [
     "algo.response_length=12",
     "model.vocab_size=16",
 ]
+DEFAULT_SEED = 1234
+"""TrainConfig's seed: the first of ``--seeds`` unless ``--seed`` says otherwise."""
+FINISHED = "compare_run.json"
+"""Written beside a run's metrics when it finished (exit code 0): a rerun of the same comparison
+keeps it instead of training it again."""
 # A grad-norm spike: a step whose grad norm exceeds this multiple of the run's median.
 SPIKE_FACTOR = 5.0
 # Metrics averaged over the run for the summary (missing ones are reported as null).
@@ -234,7 +258,34 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     )
     parser.add_argument("--preset", default=None, help="preset name or YAML path for every run")
     parser.add_argument("--steps", type=int, default=None, help="RL steps per variant")
-    parser.add_argument("--seed", type=int, default=None, help="seed shared by every variant")
+    parser.add_argument(
+        "--seed",
+        type=int,
+        default=None,
+        help="seed shared by every variant; with --seeds, the first seed (default 1234)",
+    )
+    parser.add_argument(
+        "--seeds",
+        type=int,
+        default=1,
+        help="run every variant at this many seeds and report means with 95%% intervals and "
+        "paired differences (default 1)",
+    )
+    parser.add_argument(
+        "--jobs", type=int, default=1, help="runs at once, each with 1/jobs of the cores"
+    )
+    parser.add_argument(
+        "--reward-threshold",
+        type=float,
+        default=0.5,
+        help="steps to threshold: the first step whose 5-step mean reward reaches it",
+    )
+    parser.add_argument(
+        "--collapse-drop",
+        type=float,
+        default=0.2,
+        help="collapse: the 5-step mean reward falls this far below its best and stays down",
+    )
     parser.add_argument(
         "--quick",
         action="store_true",
@@ -279,9 +330,21 @@ def base_overrides(args: argparse.Namespace, overrides: list[str]) -> list[str]:
     run_overrides += REGIMES[regime_of(args)]
     if args.steps is not None:
         run_overrides.append(f"steps={args.steps}")
-    if args.seed is not None:
+    if args.seed is not None and seeds_of(args) is None:
         run_overrides.append(f"seed={args.seed}")
     return run_overrides + overrides  # the user's overrides apply to every variant
+
+
+def seeds_of(args: argparse.Namespace) -> list[int] | None:
+    """The seeds of a ``--seeds`` comparison; None for one run per variant."""
+    if args.seeds <= 1:
+        return None
+    first = DEFAULT_SEED if args.seed is None else args.seed
+    return [first + index for index in range(args.seeds)]
+
+
+def run_dir_of(out: Path, variant: str, seed: int | None) -> Path:
+    return out / variant if seed is None else out / variant / f"seed_{seed}"
 
 
 def run_command(
@@ -290,6 +353,7 @@ def run_command(
     overrides: list[str],
     sglang: SGLangMode | None = None,
     port: int = 0,
+    seed: int | None = None,
 ) -> list[str]:
     launcher = shlex.split(args.launcher) if args.launcher else [sys.executable]
     command = launcher + ["-m", "megatron_gspo.train"]
@@ -298,8 +362,10 @@ def run_command(
     run_overrides = base_overrides(args, overrides)
     if sglang is not None:
         run_overrides += sglang.overrides(port)
+    if seed is not None:
+        run_overrides.append(f"seed={seed}")
     run_overrides += SUITES[args.suite][variant]  # the variant's own come last
-    run_overrides.append(f"output_dir={Path(args.out) / variant}")
+    run_overrides.append(f"output_dir={run_dir_of(Path(args.out), variant, seed)}")
     return command + run_overrides
 
 
@@ -404,7 +470,9 @@ def write_markdown(summary: dict, path: Path) -> None:
     path.write_text("\n".join(lines) + "\n")
 
 
-def plot(runs: dict[str, list[dict]], out: Path) -> list[str]:
+def plot(runs: dict[str, list[list[dict]]], out: Path) -> list[str]:
+    """The panels' PNGs in ``out``: each variant's curve (``runs``: its runs, one per seed),
+    over several seeds the mean with its 95% interval as a band."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -426,12 +494,29 @@ def plot(runs: dict[str, list[dict]], out: Path) -> list[str]:
     for key, title, filename, log_scale in panels:
         figure, axis = plt.subplots(figsize=(6, 4))
         drawn = False
-        for variant, records in runs.items():
-            points = [(r["step"], _number(r.get(key))) for r in records]
-            points = [(s, v) for s, v in points if v is not None and (v > 0 or not log_scale)]
-            if points:
-                axis.plot(*zip(*points), label=variant, marker=".")
-                drawn = True
+        for variant, seed_runs in runs.items():
+            by_step: dict[int, list[float]] = {}
+            for records in seed_runs:
+                for record in records:
+                    value = _number(record.get(key))
+                    if value is not None and (value > 0 or not log_scale):
+                        by_step.setdefault(record["step"], []).append(value)
+            if not by_step:
+                continue
+            steps = sorted(by_step)
+            intervals = [mean_interval(by_step[step]) for step in steps]
+            line = axis.plot(steps, [i["mean"] for i in intervals], label=variant, marker=".")
+            banded = [(st, i) for st, i in zip(steps, intervals) if i["low"] is not None]
+            if banded:
+                low = [i["low"] if not log_scale else max(i["low"], 1e-12) for _, i in banded]
+                axis.fill_between(
+                    [st for st, _ in banded],
+                    low,
+                    [i["high"] for _, i in banded],
+                    color=line[0].get_color(),
+                    alpha=0.2,
+                )
+            drawn = True
         if not drawn:
             axis.text(0.5, 0.5, f"no {key} logged", ha="center", transform=axis.transAxes)
         if log_scale and drawn:
@@ -458,7 +543,7 @@ def summarize(
     rollout_engine: str | None = None,
 ) -> dict:
     runs = {variant: read_metrics(out / variant) for variant in variants}
-    summary = {"suite": suite, "regime": regime, "variants": {}}
+    summary: dict = {"suite": suite, "regime": regime, "variants": {}}
     if rollout_engine is not None:
         summary["rollout_engine"] = rollout_engine
     for variant in variants:
@@ -469,10 +554,144 @@ def summarize(
     summary["clip_frac_token_ratio_gspo_over_grpo"] = (
         gspo / grpo if gspo is not None and grpo else None
     )
-    summary["plots"] = plot(runs, out)
+    summary["plots"] = plot({variant: [records] for variant, records in runs.items()}, out)
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     write_markdown(summary, out / "summary.md")
     return summary
+
+
+SEED_STATISTICS = (
+    ("final_reward", "final reward"),
+    ("reward_auc", "reward AUC / step"),
+    ("steps_to_threshold", "steps to threshold"),
+    ("collapsed", "collapsed"),
+    ("mean_clip_frac_token", "clip frac (tokens)"),
+    ("mean_clip_frac_seq", "clip frac (seqs)"),
+    ("mean_routing_change_frac", "routing volatility"),
+    ("grad_norm_spikes", "grad-norm spikes"),
+    ("mean_rollout_kl_k3", "train-rollout KL"),
+)
+"""The statistics a ``--seeds`` summary gives with intervals (key, title)."""
+
+
+def summarize_seeds(
+    out: Path,
+    variants: list[str],
+    seeds: list[int],
+    timing: dict[tuple, tuple],
+    *,
+    suite: str,
+    regime: str,
+    threshold: float,
+    collapse_drop: float,
+    rollout_engine: str | None = None,
+) -> dict:
+    """summary.json, summary.md and the banded plots of a comparison over ``seeds``."""
+    runs = {
+        variant: {seed: read_metrics(run_dir_of(out, variant, seed)) for seed in seeds}
+        for variant in variants
+    }
+    summary: dict = {
+        "suite": suite,
+        "regime": regime,
+        "seeds": seeds,
+        "interval": "95% Student-t over seeds",
+        "reward_threshold": threshold,
+        "collapse_drop": collapse_drop,
+        "variants": {},
+        "paired": {},
+    }
+    if rollout_engine is not None:
+        summary["rollout_engine"] = rollout_engine
+    per_seed: dict[str, dict[int, dict]] = {}
+    for variant in variants:
+        per_seed[variant] = {}
+        for seed, records in runs[variant].items():
+            if not records:
+                continue
+            wall, code = timing.get((variant, seed), (None, None))
+            values = summarize_variant(records, wall, code)
+            rewards = [_number(r.get("reward_mean")) for r in records]
+            values.update(
+                reward_curve_statistics(
+                    [r for r in rewards if r is not None],
+                    threshold=threshold,
+                    collapse_drop=collapse_drop,
+                )
+            )
+            per_seed[variant][seed] = values
+        summary["variants"][variant] = {
+            "per_seed": {str(seed): values for seed, values in per_seed[variant].items()},
+            **{key: _across_seeds(per_seed[variant], key) for key, _ in SEED_STATISTICS},
+        }
+    baseline = variants[0]
+    for variant in variants[1:]:
+        summary["paired"][f"{variant} - {baseline}"] = {
+            key: paired_difference(
+                _by_seed(per_seed[variant], key), _by_seed(per_seed[baseline], key)
+            )
+            for key, _ in SEED_STATISTICS
+        }
+    summary["plots"] = plot({variant: list(runs[variant].values()) for variant in variants}, out)
+    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    write_seed_markdown(summary, out / "summary.md")
+    return summary
+
+
+def _by_seed(values_by_seed: dict[int, dict], key: str) -> dict[int, float]:
+    return {
+        seed: values[key]
+        for seed, values in values_by_seed.items()
+        if _number(values.get(key)) is not None
+    }
+
+
+def _across_seeds(values_by_seed: dict[int, dict], key: str) -> dict:
+    return mean_interval(list(_by_seed(values_by_seed, key).values()))
+
+
+def _interval_cell(interval: dict) -> str:
+    if interval["mean"] is None:
+        return "n/a"
+    if interval["low"] is None:
+        return f"{interval['mean']:.4g} (n={interval['n']})"
+    return f"{interval['mean']:.4g} [{interval['low']:.3g}, {interval['high']:.3g}]"
+
+
+def write_seed_markdown(summary: dict, path: Path) -> None:
+    """Means with their intervals per variant, then each variant's paired difference from the
+    first (a star where the interval excludes zero)."""
+    titles = [title for _, title in SEED_STATISTICS]
+    lines = [
+        f"Seeds {summary['seeds']}: mean [95% Student-t interval over seeds]. Steps to threshold "
+        f"(5-step mean reward >= {summary['reward_threshold']}) over the seeds that reached it "
+        f"(n); collapsed: the fraction of seeds whose reward fell more than "
+        f"{summary['collapse_drop']} below its best and stayed down.",
+        "",
+        "| variant | " + " | ".join(titles) + " |",
+        "|---|" + "---:|" * len(titles),
+    ]
+    for variant, values in summary["variants"].items():
+        cells = [_interval_cell(values[key]) for key, _ in SEED_STATISTICS]
+        lines.append(f"| {variant} | " + " | ".join(cells) + " |")
+    if summary["paired"]:
+        lines += [
+            "",
+            "Paired differences on the same seeds (* : the interval excludes zero):",
+            "",
+            "| difference | " + " | ".join(titles) + " |",
+            "|---|" + "---:|" * len(titles),
+        ]
+        for name, differences in summary["paired"].items():
+            cells = []
+            for key, _ in SEED_STATISTICS:
+                difference = differences[key]
+                star = " *" if difference["excludes_zero"] else ""
+                cells.append(_interval_cell(difference) + star)
+            lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    if summary.get("rollout_engine"):
+        lines += ["", f"Rollout engine: {summary['rollout_engine']}."]
+    path.write_text("\n".join(lines) + "\n")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -481,6 +700,11 @@ def main(argv: list[str] | None = None) -> int:
     variants = (
         [v.strip() for v in args.variants.split(",") if v.strip()] if args.variants else list(suite)
     )
+    if args.seeds < 1 or args.jobs < 1:
+        print(
+            f"--seeds ({args.seeds}) and --jobs ({args.jobs}) must be at least 1", file=sys.stderr
+        )
+        return 2
     unknown = [v for v in variants if v not in suite]
     if unknown:
         print(
@@ -501,6 +725,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  - {problem}", file=sys.stderr)
         return 2
     env = {**os.environ, **(sglang.env if sglang else {})}
+    seeds = seeds_of(args)
+    if seeds is not None:
+        return compare_over_seeds(args, overrides, variants, seeds, sglang, env)
     timing: dict[str, tuple] = {}
     failed = []
     for variant in variants if not args.summarize_only else []:
@@ -532,6 +759,96 @@ def main(argv: list[str] | None = None) -> int:
     print((out / "summary.md").read_text())
     print(f"[compare] wrote {out / 'summary.json'}, summary.md and {', '.join(summary['plots'])}")
     return 1 if failed else 0
+
+
+def compare_over_seeds(
+    args: argparse.Namespace,
+    overrides: list[str],
+    variants: list[str],
+    seeds: list[int],
+    sglang: SGLangMode | None,
+    env: dict[str, str],
+) -> int:
+    """Every variant at every seed, ``args.jobs`` at a time; finished runs are kept."""
+    out = Path(args.out)
+    if args.jobs > 1 and "OMP_NUM_THREADS" not in env:
+        # Runs at once share the cores: each takes its part instead of every core.
+        env = {**env, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // args.jobs))}
+    timing: dict[tuple, tuple] = {}
+    waiting = []
+    for variant in variants:
+        for seed in seeds:
+            finished = _finished(run_dir_of(out, variant, seed))
+            if finished is not None:
+                timing[(variant, seed)] = (finished["wall_time_s"], 0)
+                print(f"[compare] {variant} seed {seed}: finished before, kept", flush=True)
+            elif not args.summarize_only:
+                waiting.append((variant, seed))
+    running: dict[tuple, tuple] = {}
+    failed = []
+    while waiting or running:
+        while waiting and len(running) < args.jobs:
+            variant, seed = waiting.pop(0)
+            port = 0
+            if sglang is not None:
+                from megatron_gspo.weight_sync import free_port
+
+                port = free_port("127.0.0.1")
+            command = run_command(args, variant, overrides, sglang, port, seed)
+            log = None
+            if args.jobs > 1:  # one log per run, not the runs' lines interleaved
+                log_path = out / variant / f"seed_{seed}.log"
+                log_path.parent.mkdir(parents=True, exist_ok=True)
+                log = open(log_path, "w")  # noqa: SIM115 (closed when the run ends)
+                print(f"[compare] {variant} seed {seed}: {shlex.join(command)} > {log_path}")
+            else:
+                print(f"[compare] {variant} seed {seed}: {shlex.join(command)}", flush=True)
+            process = subprocess.Popen(command, env=env, stdout=log, stderr=log)
+            running[(variant, seed)] = (process, time.perf_counter(), log, command)
+        time.sleep(0.5)
+        for key, (process, started, log, command) in list(running.items()):
+            code = process.poll()
+            if code is None:
+                continue
+            del running[key]
+            if log is not None:
+                log.close()
+            wall = time.perf_counter() - started
+            timing[key] = (wall, code)
+            variant, seed = key
+            if code == 0:
+                marker = run_dir_of(out, variant, seed) / FINISHED
+                marker.write_text(
+                    json.dumps({"exit_code": 0, "wall_time_s": wall, "command": command}) + "\n"
+                )
+            else:
+                failed.append(key)
+                print(
+                    f"[compare] {variant} seed {seed} failed with exit code {code}", file=sys.stderr
+                )
+    summary = summarize_seeds(
+        out,
+        variants,
+        seeds,
+        timing,
+        suite=args.suite,
+        regime=regime_of(args),
+        threshold=args.reward_threshold,
+        collapse_drop=args.collapse_drop,
+        rollout_engine=sglang.describe() if sglang else previous_engine(out),
+    )
+    print((out / "summary.md").read_text())
+    print(f"[compare] wrote {out / 'summary.json'}, summary.md and {', '.join(summary['plots'])}")
+    return 1 if failed else 0
+
+
+def _finished(run_dir: Path) -> dict | None:
+    """The record of a run of ``run_dir`` that finished, or None (never ran, failed, killed)."""
+    try:
+        record = json.loads((run_dir / FINISHED).read_text())
+    except (OSError, ValueError):
+        return None
+    return record if record.get("exit_code") == 0 else None
 
 
 if __name__ == "__main__":

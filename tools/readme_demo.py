@@ -5,12 +5,14 @@ the demo, or check it.
     python tools/readme_demo.py                   # run the demo (about a minute), rewrite README
     python tools/readme_demo.py --metrics FILE    # rewrite from a finished demo's metrics.jsonl
     python tools/readme_demo.py --check --steps 2 # run 2 RL steps, compare them with the README
+    python tools/readme_demo.py --check --steps 2 --metrics FILE  # a finished demo's first steps
 
 The table lives between the markers ``<!-- demo-table:start -->`` and ``<!-- demo-table:end -->``
 with the sentence that says how long the run took and on which CPU. The demo's first RL steps do
 not depend on how many steps follow (constant learning rate, seeds per step), so ``--check
---steps 2`` compares the table's first rows with a short run: ``tests/docs/test_readme_demo.py``
-does that. Rows agree to :data:`TOLERANCE`, the spread measured between CPU classes (AVX2 and
+--steps 2`` compares the table's first rows with a short run, or with a finished demo's first
+steps: ``tests/docs/test_readme_demo.py`` does that with the demo that
+``tests/docs/test_curve_gate.py`` gates. Rows agree to :data:`TOLERANCE`, the spread measured between CPU classes (AVX2 and
 AVX-512 kernels round differently); later rows are not checked, since sampling amplifies
 rounding over tens of steps.
 """
@@ -52,10 +54,12 @@ def cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
-def run_demo(steps: int | None, output_dir: Path) -> tuple[list[dict], float]:
-    """Run ``python -m megatron_gspo.train`` (the demo) into ``output_dir``; its records and
-    wall seconds."""
-    command = [sys.executable, "-m", "megatron_gspo.train", f"output_dir={output_dir}"]
+def run_demo(
+    steps: int | None, output_dir: Path, overrides: tuple[str, ...] | list[str] = ()
+) -> tuple[list[dict], float]:
+    """Run ``python -m megatron_gspo.train`` (the demo, with ``overrides``) into ``output_dir``;
+    its records and wall seconds."""
+    command = [sys.executable, "-m", "megatron_gspo.train", f"output_dir={output_dir}", *overrides]
     if steps is not None:
         command.append(f"steps={steps}")
     started = time.monotonic()
@@ -125,13 +129,19 @@ def differences(text: str, records: list[dict]) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--metrics", type=Path, help="a finished demo's metrics.jsonl")
-    parser.add_argument("--steps", type=int, help="RL steps to run (default: the demo's 40)")
+    parser.add_argument(
+        "--steps",
+        type=int,
+        help="RL steps to run (default: the demo's 40); with --metrics, the first steps to use",
+    )
     parser.add_argument("--check", action="store_true", help="compare instead of rewriting")
     args = parser.parse_args(argv)
     text = README.read_text(encoding="utf-8")
     seconds = 0.0
     if args.metrics is not None:
         records = read_records(args.metrics)
+        if args.steps is not None:  # the first steps of a longer run
+            records = [record for record in records if record["step"] < args.steps]
     else:
         with tempfile.TemporaryDirectory() as folder:
             records, seconds = run_demo(args.steps, Path(folder) / "demo")

@@ -101,10 +101,18 @@ class RolloutConfig:
     default (every core). On a machine where trainer and engine share few cores, 1 each avoids
     oversubscription (docs/async.md)."""
     engine_restart_timeout_s: float = 120.0
-    """With max_staleness >= 1: how long a rollout engine that stopped answering may take to come
-    back (a server this run launched is restarted, another is waited for) and to take the current
+    """How long a rollout engine that stopped answering may take to come back (a server this run launched is restarted, another is waited for) and to take the current
     weights again (from the disk weight transport's newest files); past it the run saves a
     checkpoint and stops (exit 3). Its lost requests are generated again."""
+    save_rollouts: bool = False
+    """Write each step's rollout batch (token ids, behaviour log-probs, routes, rewards, weight
+    versions) to output_dir/rollouts/step_<step>.safetensors, for rollout.replay_dir
+    (docs/rollout-replay.md)."""
+    replay_dir: Optional[str] = None
+    """Train on the batches a run recorded (its output_dir, or its rollouts/ folder) instead of
+    generating: no rollout engine, reward function or environment runs, and the weight syncs go
+    nowhere. The same samples fed to another loss, layout or precision; with the recording's
+    settings, its metrics again, bit for bit (docs/rollout-replay.md)."""
 
     def __post_init__(self) -> None:
         check_choice(

@@ -11,9 +11,11 @@ from megatron_gspo.config import TrainConfig
 from megatron_gspo.driver.background import BackgroundSettings, BackgroundSource
 from megatron_gspo.driver.follower import DriverFollower
 from megatron_gspo.driver.interface import Driver
+from megatron_gspo.driver.replay import ReplaySource
 from megatron_gspo.driver.rollout_driver import RolloutDriver
 from megatron_gspo.driver.source import BatchSourceFactory
 from megatron_gspo.driver.synchronous import SynchronousSource
+from megatron_gspo.samples.recorded_batch import rollouts_directory
 
 
 def build_driver(
@@ -43,6 +45,7 @@ def build_rollout_driver(
     background: Optional[bool] = None,
 ) -> RolloutDriver:
     """Global rank 0's driver with its batch source: the
+    :class:`~megatron_gspo.driver.replay.ReplaySource` with ``rollout.replay_dir``, the
     :class:`~megatron_gspo.driver.background.BackgroundSource` with ``rollout.max_staleness >=
     1``, else the :class:`~megatron_gspo.driver.synchronous.SynchronousSource`. ``background``
     overrides the choice (the background source at bound 0 gives the synchronous batches, which
@@ -50,7 +53,9 @@ def build_rollout_driver(
     if background is None:
         background = cfg.rollout.max_staleness >= 1
     make_source: BatchSourceFactory
-    if background:
+    if cfg.rollout.replay_dir is not None:
+        make_source = ReplaySource.factory(rollouts_directory(cfg.rollout.replay_dir))
+    elif background:
         make_source = partial(
             BackgroundSource, settings=BackgroundSettings.from_config(cfg), weights=weights
         )

@@ -24,7 +24,7 @@ import os
 import threading
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Optional
 
 if TYPE_CHECKING:
     from megatron_gspo.data.prompts import Prompt
@@ -48,7 +48,8 @@ class PromptLedger:
     def __init__(self, stream: PromptStream, output_dir: str):
         self.stream = stream
         self.path = Path(output_dir) / TRAINED_PROMPTS_FILE
-        self._pending: dict[int, Prompt] = {}
+        self._pending: dict[int, Optional[Prompt]] = {}
+        """Served and not yet trained, by stream id (None: a replayed prompt, not served here)."""
         self._requeued: list[Prompt] = []
         self._lock = threading.Lock()
         self.num_requeued = 0
@@ -65,6 +66,16 @@ class PromptLedger:
                 self._pending.update((prompt.group_id, prompt) for prompt in fresh)
                 taken += fresh
             return taken
+
+    def take_recorded(self, prompt_ids: Sequence[int]) -> None:
+        """A replayed step's prompts (``rollout.replay_dir``) become pending without this run's
+        stream serving them: their samples come from the recording, and marking them trained
+        writes the recording's lines of ``trained_prompts.jsonl`` again."""
+        with self._lock:
+            already = [int(i) for i in prompt_ids if int(i) in self._pending]
+            if already:
+                raise ValueError(f"replayed prompts {already} are pending already")
+            self._pending.update((int(prompt_id), None) for prompt_id in prompt_ids)
 
     def requeue(self, prompts: Sequence[Prompt]) -> None:
         """Serve ``prompts`` again before new ones (their samples are not going to be trained)."""

@@ -14,6 +14,7 @@ import os
 import time
 from collections.abc import Iterator
 from contextlib import ExitStack
+from pathlib import Path
 from typing import Any, Optional
 
 from megatron_gspo.config import TrainConfig, to_dict
@@ -38,6 +39,11 @@ from megatron_gspo.reward import RewardRunner
 from megatron_gspo.rollout import RolloutEngine
 from megatron_gspo.rollout.factory import build_rollout_engine
 from megatron_gspo.samples import TrainSample
+from megatron_gspo.samples.recorded_batch import (
+    ROLLOUTS_DIR,
+    RecordedBatch,
+    write_recorded_batch,
+)
 from megatron_gspo.weight_sync import SyncStats
 
 logger = logging.getLogger(__name__)
@@ -78,9 +84,14 @@ class RolloutDriver(Driver):
         self.cfg = cfg
         self.resources = resources
         self.task = build_task(cfg)
+        # A replayed run (rollout.replay_dir) generates and scores nothing: it starts no rollout
+        # engine and no reward workers, and its source needs no producer.
+        replaying = cfg.rollout.replay_dir is not None
         # With an environment the reward functions are optional (it may score by itself).
         self.rewards: Optional[RewardRunner] = (
-            resources.enter_context(RewardRunner(cfg.reward)) if cfg.reward.functions else None
+            resources.enter_context(RewardRunner(cfg.reward))
+            if cfg.reward.functions and not replaying
+            else None
         )
         self.episode_settings = EpisodeSettings.from_config(cfg)
         self.environment_factory = None
@@ -88,11 +99,18 @@ class RolloutDriver(Driver):
             self.environment_factory = load_environment(
                 EnvironmentSpec(cfg.env.name, dict(cfg.env.options))
             )
-        self.rollout_engine: RolloutEngine = resources.enter_context(build_rollout(cfg))
-        self.producer: SampleProducer = self.make_producer(Sampling.training(cfg))
+        self.rollout_engine: Optional[RolloutEngine] = None
+        self.producer: Optional[SampleProducer] = None
+        if not replaying:
+            self.rollout_engine = resources.enter_context(build_rollout(cfg))
+            self.producer = self.make_producer(Sampling.training(cfg))
         self.ledger = PromptLedger(self.task.stream, cfg.output_dir)
         self.source: BatchSource = make_source(self.producer, self.ledger, self.rollout_engine)
         resources.callback(self.source.stop)
+        self.recording: Optional[Path] = (
+            Path(cfg.output_dir) / ROLLOUTS_DIR if cfg.rollout.save_rollouts else None
+        )
+        """Where each step's batch is written (rollout.save_rollouts), or None."""
         self.logger: Optional[MetricsLogger] = None
         self._records: list[dict] = []
         self._batch_prompts: tuple[list[int], list[int]] = ([], [])
@@ -133,12 +151,21 @@ class RolloutDriver(Driver):
         # generates aborted groups again and cancels its work in flight when the run stops).
         warn_aborted(batch.samples)
         self._batch_prompts = (batch.trained_prompts, batch.dropped_prompts)
-        metrics = {
-            **rollout_metrics(batch.samples),
-            **batch.metrics,
-            **self.task.stream.stats(),
-        }
-        return RolloutBatch(batch.samples, metrics)
+        # The source's metrics last: a replayed batch carries the prompt stream's statistics of
+        # the run that recorded it.
+        source_metrics = {**self.task.stream.stats(), **batch.metrics}
+        if self.recording is not None:
+            write_recorded_batch(
+                self.recording,
+                RecordedBatch(
+                    step,
+                    batch.samples,
+                    batch.trained_prompts,
+                    batch.dropped_prompts,
+                    source_metrics,
+                ),
+            )
+        return RolloutBatch(batch.samples, {**rollout_metrics(batch.samples), **source_metrics})
 
     def mark_trained(self, step: int) -> None:
         trained, dropped = self._batch_prompts

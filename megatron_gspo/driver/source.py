@@ -86,6 +86,9 @@ class BatchSource(abc.ABC):
         the rollout engine and the reward workers, so it runs before they stop)."""
 
 
-BatchSourceFactory = Callable[[SampleProducer, PromptLedger, RolloutEngine], BatchSource]
+BatchSourceFactory = Callable[
+    [Optional[SampleProducer], PromptLedger, Optional[RolloutEngine]], BatchSource
+]
 """Builds the driver's batch source from the run's sample producer, prompt ledger and rollout
-engine (which the driver builds; :func:`~megatron_gspo.driver.build.build_rollout_driver`)."""
+engine (which the driver builds; :func:`~megatron_gspo.driver.build.build_rollout_driver`). A
+replayed run (``rollout.replay_dir``) builds no producer and no engine: None."""

@@ -31,7 +31,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Optional
 
 import requests
@@ -199,6 +199,36 @@ def launch_command_from_config(
     )
 
 
+TORCHRUN_ENV = (
+    "RANK",
+    "LOCAL_RANK",
+    "WORLD_SIZE",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "GROUP_WORLD_SIZE",
+    "ROLE_RANK",
+    "ROLE_WORLD_SIZE",
+    "ROLE_NAME",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+)
+"""What torchrun tells its workers about their process group. A server launched by a trainer
+under torchrun must not inherit it: SGLang's own process group (``init_process_group`` with the
+env:// rendezvous) would read the trainer's world size and master port and wait forever for
+ranks that never join (found by tools/rehearse_presets.py: a launched CPU server under torchrun
+hung at "Init parallel begin")."""
+
+
+def without_torchrun_env(environment: Mapping[str, str]) -> dict[str, str]:
+    """``environment`` without torchrun's process-group variables (:data:`TORCHRUN_ENV`,
+    ``TORCHELASTIC_*``)."""
+    return {
+        name: value
+        for name, value in environment.items()
+        if name not in TORCHRUN_ENV and not name.startswith("TORCHELASTIC_")
+    }
+
+
 def _url_of(command: Sequence[str]) -> str:
     host = command[command.index("--host") + 1]
     port = command[command.index("--port") + 1]
@@ -254,7 +284,7 @@ class SGLangServerProcess:
         self.name = name
         """What the server is, in messages."""
         self.url = _url_of(self.command)
-        self.env = {**os.environ, **(env or {})}
+        self.env = {**without_torchrun_env(os.environ), **(env or {})}
         if self.api_key and api_key_environment is not None:
             self.env[api_key_environment] = self.api_key  # readable by this user only
         self.process: Optional[subprocess.Popen] = None

@@ -14,7 +14,8 @@ logs) calls :func:`check_before_start`, which checks
   sandbox) and the environment (``env.name``: name, import, options, its start-up check: the
   tool sandbox),
 - the rollout engine's own check (:data:`ENGINE_START_CHECKS`): for SGLang, the servers answer
-  or what launching them needs is there,
+  or what launching them needs is there (none for a replayed run, which starts no engine),
+- a replayed run's recorded batches (``rollout.replay_dir``): one for every step,
 
 and raises one :class:`StartupErrors` listing each problem as what / why / how to fix.
 :func:`prepare_output_dir` then clears the previous run's outputs when ``overwrite_output_dir``
@@ -42,6 +43,11 @@ from megatron_gspo.envs.base import EnvironmentSpec, load_environment
 from megatron_gspo.reward.functions import check_reward_function, load_reward_function, reward_specs
 from megatron_gspo.rollout.sglang_engine import sglang_start_problems
 from megatron_gspo.runtime.checkpoint_files import checkpoint_root, latest_checkpoint
+from megatron_gspo.samples.recorded_batch import (
+    ROLLOUTS_DIR,
+    check_recorded_batch,
+    rollouts_directory,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -56,6 +62,7 @@ def check_before_start(cfg: TrainConfig) -> None:
         _rewards,
         _environment,
         _rollout_engine,
+        _replay,
     ):
         errors += check(cfg)
     if errors:
@@ -124,6 +131,9 @@ def previous_run_outputs(output_dir: str) -> list[Path]:
         found.append(checkpoints)
     if found and (root / "tensorboard").is_dir():
         found.append(root / "tensorboard")
+    rollouts = root / ROLLOUTS_DIR
+    if rollouts.is_dir() and any(rollouts.glob("step_*.safetensors")):
+        found.append(rollouts)
     return found
 
 
@@ -316,8 +326,56 @@ it uses answer, or what launching them needs is there."""
 
 
 def _rollout_engine(cfg: TrainConfig) -> list[ConfigError]:
+    if cfg.rollout.replay_dir is not None:
+        return []  # a replayed run starts no engine
     check = ENGINE_START_CHECKS.get(cfg.rollout.engine)
     return [] if check is None else check(cfg)
+
+
+def _replay(cfg: TrainConfig) -> list[ConfigError]:
+    """A replayed run finds a recorded batch for every step it trains, evaluates nothing (no
+    engine generates) and does not write into the folder it reads."""
+    if cfg.rollout.replay_dir is None:
+        return []
+    errors = []
+    directory = rollouts_directory(cfg.rollout.replay_dir)
+    problems = [
+        problem
+        for problem in (check_recorded_batch(directory, step) for step in range(cfg.steps))
+        if problem is not None
+    ]
+    if problems:
+        shown = "; ".join(problems[:3]) + (
+            f"; and {len(problems) - 3} more" if len(problems) > 3 else ""
+        )
+        errors.append(
+            ConfigError(
+                "rollout.replay_dir",
+                f"{len(problems)} of the {cfg.steps} steps have no usable recorded batch: {shown}",
+                "each replayed step trains the batch the recording saved for it",
+                "point replay_dir at the output_dir of a run recorded with "
+                "rollout.save_rollouts=true, and set steps to at most the steps it recorded",
+            )
+        )
+    if cfg.eval.interval:
+        errors.append(
+            ConfigError(
+                "eval.interval",
+                f"eval.interval={cfg.eval.interval} with rollout.replay_dir",
+                "a replayed run starts no rollout engine, and evaluation generates",
+                "set eval.interval=0 (evaluate the replayed run's checkpoints afterwards)",
+            )
+        )
+    if directory.resolve() == (Path(cfg.output_dir) / ROLLOUTS_DIR).resolve():
+        errors.append(
+            ConfigError(
+                "output_dir",
+                f"output_dir {cfg.output_dir} holds the batches that rollout.replay_dir replays",
+                "the replayed run would write over the recording's outputs",
+                "give the replayed run an output_dir of its own",
+            )
+        )
+    return errors
 
 
 def _collect(check: Callable[[], object]) -> list[ConfigError]:

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from megatron_gspo.config import TrainConfig
 from megatron_gspo.config.schema import StartupErrors
+from megatron_gspo.samples import TrainSample
+from megatron_gspo.samples.recorded_batch import RecordedBatch, write_recorded_batch
 from megatron_gspo.startup.preflight import check_before_start, prepare_output_dir
 
 
@@ -302,3 +305,32 @@ def test_a_damaged_hf_directory_is_named_before_start(tmp_path):
         assert len(errors) == 1 and problem in errors[0], caught.value
         with pytest.raises(ConversionError, match="damaged model directory"):
             HFCheckpointReader(str(folder))
+
+
+def test_a_replay_without_its_recorded_batches_is_refused_at_once(tmp_path):
+    """Every problem of a replay at once: the steps without a file (named), evaluation (which
+    needs an engine), and an output_dir that holds the batches it replays."""
+    rollouts = tmp_path / "rollouts"
+    sample = TrainSample(tokens=torch.tensor([1, 2, 3]), prompt_length=1)
+    write_recorded_batch(rollouts, RecordedBatch(0, [sample], [0]))
+    write_recorded_batch(rollouts, RecordedBatch(2, [sample], [1]))
+    (rollouts / "step_000002.safetensors").write_bytes(b"cut")
+    config = TrainConfig(output_dir=str(tmp_path), steps=4)
+    config.rollout.replay_dir = str(tmp_path)
+    config.eval.interval = 2
+    with pytest.raises(StartupErrors) as error:
+        check_before_start(config)
+    message = str(error.value)
+    assert "'rollout.replay_dir': 3 of the 4 steps have no usable recorded batch" in message
+    assert "step_000001.safetensors is missing" in message
+    assert "step_000002.safetensors is damaged" in message
+    assert "'eval.interval'" in message and "holds the batches that rollout.replay_dir" in message
+    # Recorded for every step, replayed into a folder of its own: accepted.
+    for step in (1, 2, 3):
+        write_recorded_batch(rollouts, RecordedBatch(step, [sample], [step]))
+    config = TrainConfig(output_dir=str(tmp_path / "replay"), steps=4)
+    config.rollout.replay_dir = str(tmp_path)
+    check_before_start(config)
+    # The recording's folder counts as a previous run's output.
+    with pytest.raises(StartupErrors, match="rollouts"):
+        check_before_start(TrainConfig(output_dir=str(tmp_path)))

@@ -1,6 +1,6 @@
-"""The README's CPU demo table is the demo's output: its first two RL steps, rerun here, agree
-with the table's rows (``tools/readme_demo.py`` regenerates the table; its docstring says why
-only the first steps are compared and how closely)."""
+"""The README's CPU demo table is the demo's output: the first two RL steps of a demo run here
+agree with the table's rows (``tools/readme_demo.py`` regenerates the table; its docstring says
+why only the first steps are compared and how closely)."""
 
 from __future__ import annotations
 
@@ -11,9 +11,17 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_the_readme_demo_table_matches_the_demo():
+def test_the_readme_demo_table_matches_the_demo(cpu_demo_metrics):
     result = subprocess.run(
-        [sys.executable, "tools/readme_demo.py", "--check", "--steps", "2"],
+        [
+            sys.executable,
+            "tools/readme_demo.py",
+            "--check",
+            "--steps",
+            "2",
+            "--metrics",
+            str(cpu_demo_metrics),
+        ],
         cwd=REPO_ROOT,
         capture_output=True,
         text=True,

@@ -15,9 +15,11 @@ from .harness import GRPO, TINY, Launch, run_train
 
 @pytest.fixture(scope="session")
 def gspo_run(tmp_path_factory) -> Launch:
-    """GSPO (the default loss), old log-probs recomputed, in-process embedded rollout engine."""
+    """GSPO (the default loss), old log-probs recomputed, in-process embedded rollout engine;
+    its batches recorded (rollout.save_rollouts, replayed by tests/e2e/test_replay.py)."""
     return run_train(
-        tmp_path_factory.mktemp("gspo") / "out", ["steps=3", *TINY, "checkpoint.interval=2"]
+        tmp_path_factory.mktemp("gspo") / "out",
+        ["steps=3", *TINY, "checkpoint.interval=2", "rollout.save_rollouts=true"],
     )
 
 

@@ -247,11 +247,11 @@ def compared_keys(reference: dict, actual: dict, skip: frozenset = frozenset()) 
     return keys
 
 
-def assert_records_equal(reference: dict, actual: dict) -> None:
-    """Bitwise equality of every metric but wall times."""
+def assert_records_equal(reference: dict, actual: dict, skip: frozenset = frozenset()) -> None:
+    """Bitwise equality of every metric but wall times (and ``skip``)."""
     differences = {
         key: (reference[key], actual[key])
-        for key in compared_keys(reference, actual)
+        for key in compared_keys(reference, actual, skip)
         if reference[key] != actual[key]
     }
     assert not differences, f"step {reference['step']} differs: {differences}"

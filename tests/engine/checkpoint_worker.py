@@ -17,6 +17,13 @@ Phases (run in this order; each reads the checkpoints of the earlier ones):
   save, exact resume; dp2 loads the tp2.ep2 distributed-optimizer checkpoint.
 * ``last`` (1 process): loads the tp2.ep2 (both optimizers) and pp2 checkpoints.
 
+Resharding a distributed-optimizer checkpoint (each load also compares the optimizer's fp32 main
+parameters and Adam moments, gathered by name, with the saved ones): ``four`` saves at ep2 on 4
+processes (dense dp4, experts ep2 x expert-dp2) and loads it at ep4; ``two`` at tp2 and pp2;
+``last`` in one process. bf16: ``two`` saves at dp2 with the distributed optimizer and loads at
+pp2, ``last`` in one process and saves what the trainer holds for the HF export test. The slow
+tier's ``bf16_four`` (4 processes) saves bf16 at ep2 and loads at ep4, ``bf16_two`` at tp2.
+
 Heavy imports stay inside functions: ``dist_checkpointing`` starts "spawn" processes, which
 re-import this module.
 """
@@ -37,10 +44,14 @@ CONTINUE = 2
 
 
 def make_config(layout: str):
+    """A layout such as ``tp2.ep2.distopt``; a ``bf16`` part sets ``model.dtype=bfloat16``."""
     from layout_worker import MODELS, parallel_overrides
 
     from megatron_gspo.config import TrainConfig, from_dict
 
+    parts = layout.split(".")
+    dtype = "bfloat16" if "bf16" in parts else "float32"
+    layout = ".".join(part for part in parts if part != "bf16")
     return from_dict(
         TrainConfig,
         dict(
@@ -53,6 +64,7 @@ def make_config(layout: str):
                 head_dim=16,
                 **MODELS["qwen2"],
                 tie_word_embeddings=True,
+                dtype=dtype,
             ),
             parallel=parallel_overrides(layout, micro_batch_tokens=60),
             algo=dict(
@@ -134,6 +146,71 @@ class Run:
             full.update(part)
         return full
 
+    def optimizer_state(self, engine) -> dict:
+        """``{"<state>/<global name>": full tensor}`` for the Adam moments (``exp_avg``,
+        ``exp_avg_sq``) and the fp32 main parameters (``main``) of every parameter, on every rank
+        (a collective). Read from the optimizer's own tensors, not through the checkpoint code:
+        the distributed optimizer's ``[start, end)`` spans are summed zero-padded over its
+        data-parallel group (each element has one owner: exact), then tp / expert-tp shards are
+        joined like the weights."""
+        import torch
+        from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+        from megatron_gspo.engine.optimizer_state import sub_optimizers
+        from megatron_gspo.engine.sharding import gather_full_tensor, iter_global_parameters
+
+        names = ("exp_avg", "exp_avg_sq", "main")
+        # id(model parameter) -> (Megatron optimizer, inner torch optimizer, main parameter or
+        # None when another data-parallel rank holds it, span or None)
+        located: dict = {}
+        for sub in sub_optimizers(engine.optimizer):
+            inner = sub.optimizer
+            if isinstance(sub, DistributedOptimizer):
+                for buffer in sub.buffers:
+                    for param in buffer.params:
+                        main, span = None, None
+                        if param in sub.model_param_group_index_map:
+                            group, order = sub.model_param_group_index_map[param]
+                            main = inner.param_groups[group]["params"][order]
+                            span = sub._get_model_param_range_map(param)["param"]
+                        located[id(param)] = (sub, inner, main, span)
+            elif hasattr(sub, "float16_groups"):  # bf16: fp32 copies of the bf16 parameters
+                for model_group, main_group in zip(
+                    sub.float16_groups, sub.fp32_from_float16_groups
+                ):
+                    for param, main in zip(model_group, main_group):
+                        located[id(param)] = (sub, inner, main, None)
+                for group in sub.fp32_from_fp32_groups:
+                    for param in group:
+                        located[id(param)] = (sub, inner, param, None)
+            else:
+                for group in inner.param_groups:
+                    for param in group["params"]:
+                        located[id(param)] = (sub, inner, param, None)
+        mine: dict = {}
+        for name, param, info in iter_global_parameters(engine.model):
+            if info.tied_copy:
+                continue
+            sub, inner, main, span = located[id(param)]
+            rows = torch.zeros(len(names), param.numel(), dtype=torch.float32)
+            if main is not None:
+                state = inner.state[main]
+                values = (state["exp_avg"], state["exp_avg_sq"], main.detach())
+                start, end = (span.start, span.end) if span is not None else (0, param.numel())
+                for row, value in enumerate(values):
+                    rows[row, start:end] = value.float().view(-1)
+            if isinstance(sub, DistributedOptimizer):
+                self.dist.all_reduce(rows, group=sub.data_parallel_group)
+            for row, state_name in enumerate(names):
+                full = gather_full_tensor(rows[row].view(param.shape), info)
+                mine[f"{state_name}/{name}"] = full
+        parts: list = [None] * self.dist.get_world_size()
+        self.dist.all_gather_object(parts, mine)
+        full_state: dict = {}
+        for part in parts:
+            full_state.update(part)
+        return full_state
+
     def steps(self, engine, first: int, count: int) -> list[dict]:
         keep = ("loss", "grad_norm", "lr")
         metrics = []
@@ -171,6 +248,7 @@ def trajectory(run: Run, layout: str, root: Path, tag: str) -> None:
     the checkpoint and runs the same CONTINUE steps. Records both and saves the reference."""
     from megatron_gspo.engine.checkpoint import load_checkpoint, save_checkpoint
 
+    begun = time.perf_counter()
     engine = run.engine(layout)
     run.steps(engine, 0, SAVE_AFTER)
     extra = {"data": {"epoch": 0, "offset": 16}, "reward_moments": {"mean": 0.25, "count": 16}}
@@ -178,6 +256,7 @@ def trajectory(run: Run, layout: str, root: Path, tag: str) -> None:
     path = save_checkpoint(engine, str(root), SAVE_AFTER, extra)
     run.record(f"{tag}/save_seconds", time.perf_counter() - started)
     at_save = run.weights(engine)
+    run.save(f"{tag}_optimizer_at_save", run.optimizer_state(engine))
     continued = run.steps(engine, SAVE_AFTER, CONTINUE)
     final = run.weights(engine)
     run.save(f"{tag}_at_save", at_save)
@@ -195,6 +274,7 @@ def trajectory(run: Run, layout: str, root: Path, tag: str) -> None:
     run.record(f"{tag}/resumed", resumed)
     run.record(f"{tag}/resumed_weights_max_abs", max_abs(run.weights(engine), final))
     run.record(f"{tag}/path", path)
+    run.record(f"{tag}/seconds", time.perf_counter() - begun)
 
 
 def cross_load(run: Run, layout: str, source: Path, tag: str, source_tag: str) -> None:
@@ -202,11 +282,18 @@ def cross_load(run: Run, layout: str, source: Path, tag: str, source_tag: str) -
     the next mini-batch's loss and the continued trajectory match the source run's."""
     from megatron_gspo.engine.checkpoint import load_checkpoint
 
+    begun = time.perf_counter()
     engine = run.engine(layout)
+    started = time.perf_counter()
     load_checkpoint(engine, str(source))
+    run.record(f"{tag}/load_seconds", time.perf_counter() - started)
     run.record(
         f"{tag}/loaded_weights_max_abs",
         max_abs(run.weights(engine), run.load(f"{source_tag}_at_save")),
+    )
+    run.record(
+        f"{tag}/loaded_optimizer_max_abs",
+        max_abs(run.optimizer_state(engine), run.load(f"{source_tag}_optimizer_at_save")),
     )
     run.record(f"{tag}/step_count", engine.step_count)
     run.record(f"{tag}/resumed", run.steps(engine, SAVE_AFTER, CONTINUE))
@@ -214,6 +301,7 @@ def cross_load(run: Run, layout: str, source: Path, tag: str, source_tag: str) -
         f"{tag}/resumed_weights_max_abs",
         max_abs(run.weights(engine), run.load(f"{source_tag}_final")),
     )
+    run.record(f"{tag}/seconds", time.perf_counter() - begun)
 
 
 def rng_and_directory_checks(run: Run, out: Path) -> None:
@@ -355,6 +443,33 @@ def weights_only_controls(run: Run, out: Path) -> None:
     run.record("control/plain_torch_dist_max_abs", max_abs(run.weights(engine), expected))
 
 
+def bf16_trainer_view(run: Run, source: Path) -> None:
+    """One process: load the bf16 checkpoint and save what the trainer holds, for the HF export
+    test: its weights under HF names (the weight-sync stream, the trainer's own Megatron -> HF
+    path, not the offline converter's) and the response log-probs of a batch (fp32 from the bf16
+    forward, as the trainer computes them)."""
+    from megatron_gspo.engine.checkpoint import load_checkpoint
+
+    begun = time.perf_counter()
+    engine = run.engine("bf16")
+    load_checkpoint(engine, str(source), load_optimizer=False)
+    weights = {name: tensor.detach().clone() for name, tensor in engine.hf_weights()}
+    samples = make_samples(SAVE_AFTER)
+    log_probs = engine.forward_log_probs(samples)
+    run.save(
+        "bf16_trainer_view",
+        {
+            "hf_weights": weights,
+            "tokens": [sample.tokens for sample in samples],
+            "prompt_lengths": [sample.prompt_length for sample in samples],
+            "log_probs": [tensor.clone() for tensor in log_probs.log_probs],
+            "temperature": engine.cfg.rollout.temperature,
+        },
+    )
+    run.record("bf16_view/saved", True)
+    run.record("bf16_view/seconds", time.perf_counter() - begun)
+
+
 def phase_one(run: Run, out: Path) -> None:
     trajectory(run, "", out / "ck_one", "one")
     rng_and_directory_checks(run, out)
@@ -365,6 +480,10 @@ def phase_four(run: Run, out: Path) -> None:
     trajectory(run, "tp2.ep2", out / "ck_four", "four")
     trajectory(run, "tp2.ep2.distopt", out / "ck_four_distopt", "four_distopt")
     cross_load(run, "tp2.ep2", out / "ck_one", "one_to_four", "one")
+    # ep2 on 4 processes: dense dp4, experts ep2 x expert-dp2, both sharded by the distributed
+    # optimizer; then ep4 (one expert per rank, dense dp4 spans cut elsewhere).
+    trajectory(run, "ep2.distopt", out / "ck_ep2_distopt", "ep2_distopt")
+    cross_load(run, "ep4.distopt", out / "ck_ep2_distopt", "ep2_distopt_to_ep4", "ep2_distopt")
 
 
 def phase_two(run: Run, out: Path) -> None:
@@ -372,15 +491,50 @@ def phase_two(run: Run, out: Path) -> None:
     trajectory(run, "pp2", out / "ck_two", "two")
     trajectory(run, "dp2.distopt", out / "ck_two_distopt", "two_distopt")
     cross_load(run, "dp2.distopt", out / "ck_four_distopt", "four_distopt_to_dp2", "four_distopt")
+    cross_load(run, "tp2", out / "ck_ep2_distopt", "ep2_distopt_to_tp2", "ep2_distopt")
+    cross_load(run, "pp2", out / "ck_ep2_distopt", "ep2_distopt_to_pp2", "ep2_distopt")
+    # bf16: the fp32 main parameters travel as optimizer.state.fp32_param.
+    trajectory(run, "bf16.dp2.distopt", out / "ck_bf16_dp2_distopt", "bf16_dp2_distopt")
+    cross_load(
+        run, "bf16.pp2", out / "ck_bf16_dp2_distopt", "bf16_dp2_distopt_to_pp2", "bf16_dp2_distopt"
+    )
 
 
 def phase_last(run: Run, out: Path) -> None:
     cross_load(run, "", out / "ck_four", "four_to_one", "four")
     cross_load(run, "", out / "ck_four_distopt", "four_distopt_to_one", "four_distopt")
     cross_load(run, "", out / "ck_two", "two_to_one", "two")
+    cross_load(run, "", out / "ck_ep2_distopt", "ep2_distopt_to_one", "ep2_distopt")
+    cross_load(
+        run, "bf16", out / "ck_bf16_dp2_distopt", "bf16_dp2_distopt_to_one", "bf16_dp2_distopt"
+    )
+    bf16_trainer_view(run, out / "ck_bf16_dp2_distopt")
 
 
-PHASES = {"one": phase_one, "four": phase_four, "two": phase_two, "last": phase_last}
+def phase_bf16_four(run: Run, out: Path) -> None:
+    """The slow tier: bf16 at ep2 on 4 processes with the distributed optimizer, resumed at ep4."""
+    trajectory(run, "bf16.ep2.distopt", out / "ck_bf16_ep2_distopt", "bf16_ep2_distopt")
+    cross_load(
+        run, "bf16.ep4.distopt", out / "ck_bf16_ep2_distopt", "bf16_ep2_distopt_to_ep4",
+        "bf16_ep2_distopt",
+    )  # fmt: skip
+
+
+def phase_bf16_two(run: Run, out: Path) -> None:
+    """The slow tier: that bf16 checkpoint resumed at tp2 (the non-distributed optimizer)."""
+    cross_load(
+        run, "bf16.tp2", out / "ck_bf16_ep2_distopt", "bf16_ep2_distopt_to_tp2", "bf16_ep2_distopt"
+    )
+
+
+PHASES = {
+    "one": phase_one,
+    "four": phase_four,
+    "two": phase_two,
+    "last": phase_last,
+    "bf16_four": phase_bf16_four,
+    "bf16_two": phase_bf16_two,
+}
 
 
 def main() -> None:

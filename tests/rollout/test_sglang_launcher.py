@@ -218,3 +218,23 @@ def test_launched_server_dies_with_a_sigkilled_trainer(tmp_path):
             raise AssertionError("the launched server outlived its SIGKILLed trainer")
     finally:
         trainer.kill()
+
+
+def test_a_launched_server_does_not_inherit_torchrun_s_process_group(monkeypatch, tmp_path):
+    """A trainer under torchrun launches its server with its own environment minus torchrun's
+    rendezvous: SGLang's env:// process group would otherwise wait for the trainer's world."""
+    for name, value in {
+        "RANK": "0",
+        "WORLD_SIZE": "4",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": "29500",
+        "LOCAL_RANK": "0",
+        "TORCHELASTIC_RUN_ID": "none",
+    }.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv("MEGATRON_GSPO_KEPT", "yes")
+    command = [sys.executable, "-c", "pass", "--host", "127.0.0.1", "--port", "1"]
+    server = SGLangServerProcess(command, str(tmp_path / "server.log"), env={"EXTRA": "1"})
+    assert not {"RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK"} & set(server.env)
+    assert not [name for name in server.env if name.startswith("TORCHELASTIC_")]
+    assert server.env["MEGATRON_GSPO_KEPT"] == "yes" and server.env["EXTRA"] == "1"

@@ -42,7 +42,6 @@ def test_help_explains_every_variant():
 
 
 @pytest.mark.slow
-@pytest.mark.slow
 def test_quick_mode_writes_every_output(tmp_path):
     out = tmp_path / "compare"
     result = subprocess.run(
@@ -219,3 +218,81 @@ def test_sglang_venv_variable_is_the_packages():
     from megatron_gspo.rollout.sglang_cpu import SGLANG_VENV_ENV
 
     assert load_tool().SGLANG_VENV_ENV == SGLANG_VENV_ENV
+
+
+def _load_tool():
+    sys.path.insert(0, str(TOOL.parent))
+    try:
+        import compare_grpo_gspo
+    finally:
+        sys.path.remove(str(TOOL.parent))
+    return compare_grpo_gspo
+
+
+def test_seed_summary_gives_intervals_and_paired_differences(tmp_path):
+    """The summary of a comparison over seeds, from metrics files: per-variant intervals,
+    paired differences from the first variant that exclude zero where every seed agrees, a
+    banded plot."""
+    tool = _load_tool()
+    seeds = [1234, 1235, 1236]
+    for offset, variant in ((0.0, "gspo"), (-0.3, "grpo")):
+        for index, seed in enumerate(seeds):
+            run_dir = tool.run_dir_of(tmp_path, variant, seed)
+            run_dir.mkdir(parents=True)
+            rows = [
+                {
+                    "step": step,
+                    "reward_mean": 0.4 + offset + 0.05 * step + 0.01 * index,
+                    "clip_frac_token": 0.01 * (1 + index),
+                    "routing_change_frac": 0.1,
+                    "grad_norm": 1.0,
+                }
+                for step in range(8)
+            ]
+            (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    summary = tool.summarize_seeds(
+        tmp_path,
+        ["gspo", "grpo"],
+        seeds,
+        {},
+        suite="standard",
+        regime="paper",
+        threshold=0.5,
+        collapse_drop=0.2,
+    )
+    final = summary["variants"]["gspo"]["final_reward"]
+    assert final["n"] == 3 and final["low"] < final["mean"] < final["high"]
+    difference = summary["paired"]["grpo - gspo"]["final_reward"]
+    assert difference["mean"] == pytest.approx(-0.3) and difference["excludes_zero"] is True
+    assert summary["variants"]["gspo"]["steps_to_threshold"]["n"] == 3
+    assert summary["variants"]["grpo"]["steps_to_threshold"]["n"] == 0  # never reached
+    table = (tmp_path / "summary.md").read_text()
+    assert "| grpo - gspo |" in table and "-0.3 [" in table and " *" in table
+    assert (tmp_path / "reward.png").read_bytes().startswith(b"\x89PNG")
+
+
+@pytest.mark.slow
+def test_seeds_run_in_parallel_and_a_rerun_keeps_finished_runs(tmp_path):
+    out = tmp_path / "seeds"
+    command = [
+        sys.executable, str(TOOL), "--quick", "--steps", "2", "--seeds", "2", "--jobs", "2",
+        "--variants", "gspo,grpo", "--out", str(out),
+    ]  # fmt: skip
+    result = subprocess.run(command, capture_output=True, text=True, timeout=900, cwd=REPO_ROOT)
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["seeds"] == [1234, 1235]
+    for variant in ("gspo", "grpo"):
+        assert set(summary["variants"][variant]["per_seed"]) == {"1234", "1235"}
+        assert (out / variant / "seed_1235.log").exists()
+    # The two seeds are different runs, not one run twice.
+    first, second = (
+        (out / "gspo" / f"seed_{seed}" / "metrics.jsonl").read_text() for seed in (1234, 1235)
+    )
+    assert first != second
+    # A killed comparison continues: the run without its finished record runs again, alone.
+    (out / "grpo" / "seed_1235" / "compare_run.json").unlink()
+    result = subprocess.run(command, capture_output=True, text=True, timeout=900, cwd=REPO_ROOT)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.count("finished before, kept") == 3
+    assert "grpo seed 1235: " in result.stdout
