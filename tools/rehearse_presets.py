@@ -914,7 +914,8 @@ def record(results: list[Result], steps: int, command: str, plans_text: str) -> 
         "What each rehearsal scaled and kept (the tool's own printout):",
         "",
         "```text",
-        plans_text.strip(),
+        # Paths inside the checkout relative to it: the docs never name this machine's folders.
+        plans_text.strip().replace(f"{REPO_ROOT}/", ""),
         "```",
         RECORD_END,
     ]
