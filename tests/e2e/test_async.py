@@ -128,6 +128,7 @@ def assert_same_checkpoint_tensors(expected: Path, actual: Path) -> None:
         assert torch.equal(want.read(region), got.read(region)), key
 
 
+@pytest.mark.slow
 def test_killed_server_is_restarted_and_resynced(tmp_path):
     """SIGKILL the loopback server process mid-run: the trainer restarts it, sends it the newest
     weights before it serves again, generates the lost requests again and finishes."""
