@@ -8,6 +8,11 @@ strings (:func:`megatron_gspo.data.stop_strings.cut_at_stop_string`: SGLang's ru
 embedded engine's ids) and ``min_new_tokens`` (same ids; SGLang's log-probs are of the
 distribution with the stop tokens masked, ``docs/sglang-protocol.md`` section 1). One server for
 the module, beside the package's float32 server (``docs/sglang-protocol.md`` section 8).
+
+Slow tier (``--full``): this module's own server (a 20 M-parameter export and SGLang's start,
+about 40 s of CI's budget) is the cost. CI keeps the real tokenizer through the embedded engine
+(``tests/rollout/test_real_tokenizer.py``, ``tests/data/test_real_tokenizer.py``) and SGLang through
+the package's float32 server.
 """
 
 from __future__ import annotations
@@ -22,6 +27,8 @@ from megatron_gspo.rollout.types import GenerateRequest
 from megatron_gspo.weight_sync import free_port
 
 from .server import SKIP_REASON, export_model, server_model_config, sglang_python, start_server
+
+pytestmark = pytest.mark.slow
 
 QWEN3_VOCAB_SIZE = 151_936
 IM_END = 151_645
