@@ -54,10 +54,21 @@ off-policy (``rollout.max_staleness=1``):
   grpo_async      grpo + max_staleness=1, old log-probs recomputed, no correction
   grpo_async_tis  grpo_async + token-level TIS toward the engine's policy (min(pi_prox / mu, 2))
 
+The attribution suite (``--suite attribution``, tools/compare_attribution.py): starting from
+the exact fp32 twin, one source of training-inference mismatch at a time and in combination (the
+engine's precision, its batch composition, staleness) crossed with the corrections (TIS, MIS,
+geometric-mean sequence weights and masks, R3); ``--sources``, ``--corrections``. It writes
+attribution.md / attribution.json (per-token gap, sequence log-ratio, routing flips, clip
+fractions, reward with intervals over ``--seeds``) and attribution_gap.png /
+attribution_reward.png beside the usual summary (docs/compare_grpo_gspo.md, "Mismatch
+attribution").
+
 Regimes (``--regime``): ``demo`` keeps the preset's learning rate (the CPU demo's 3e-3 moves
 the policy so far per optimizer step that GRPO's token ratios leave [0.8, 1.27] for ~10% of
 tokens); ``paper`` lowers it to 1e-3 so that one update moves token ratios little, as in the GSPO
-paper (GRPO clips ~0.1-0.3% of tokens there). ``--quick`` (what CI runs) uses ``paper``.
+paper (GRPO clips ~0.1-0.3% of tokens there); ``volatile`` gives routing room to move (4 MoE
+layers of 32 experts, top-4, the demo's learning rate: about twice the demo's expert
+volatility). ``--quick`` (what CI runs) uses ``paper``.
 
 Writes to --out: one run directory per variant, summary.json, summary.md and PNG plots (reward,
 clip fraction on a log scale, routing change, trainer-vs-rollout log-prob gap).
@@ -82,6 +93,8 @@ Examples:
       --sglang-python /venvs/sglang/bin/python --out mismatch_sglang/
   python tools/compare_grpo_gspo.py --suite async --steps 20 --out async/
   python tools/compare_grpo_gspo.py --quick --seeds 4 --jobs 2 --out compare_seeds/
+  python tools/compare_grpo_gspo.py --suite attribution --quick --seeds 2 --jobs 2 \\
+      --sources bf16,fp16,batch1,stale1 --corrections none,tis,r3 --out attribution/
   python tools/compare_grpo_gspo.py --out compare/ --steps 100 -- model.hf_path=/models/Qwen3-30B-A3B
   python tools/compare_grpo_gspo.py --preset qwen3_30b_a3b_gspo_4node --out /shared/compare \\
       --launcher "torchrun --nnodes 4 --node_rank $NODE_RANK --nproc_per_node 8 \\
@@ -103,6 +116,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # also when loaded by path (tests)
+import compare_attribution  # noqa: E402
 from compare_sglang import (  # noqa: E402
     QUICK_SGLANG,
     SGLANG_VENV_ENV,
@@ -159,14 +173,26 @@ SUITES: dict[str, dict[str, list[str]]] = {
             "algo.rollout_correction.level=token",
         ],
     },
+    # Every (source, correction) pair; --sources and --corrections pick the runs.
+    "attribution": compare_attribution.VARIANTS,
 }
-SUITE_COMMON = {"standard": [], "mismatch": ["rollout.dtype=bfloat16"], "async": []}
+SUITE_COMMON = {
+    "standard": [],
+    "mismatch": ["rollout.dtype=bfloat16"],
+    "async": [],
+    "attribution": [],  # the suite's own come from its options (compare_attribution)
+}
 REGIMES: dict[str, list[str]] = {
     "demo": [],
     # One optimizer step at lr 1e-3 moves the tiny demo's token ratios out of GRPO's [0.8, 1.27]
     # for ~0.3% of tokens (the GSPO paper's GRPO baseline: ~0.13%), against ~10% at the demo's
     # 3e-3 (docs/compare_grpo_gspo.md).
     "paper": ["optim.lr=1e-3"],
+    # Room for routing to move: 4 MoE layers of 32 experts, top-4 (the demo: 2 layers of 8, top-2),
+    # at the demo's learning rate, so that more of each token's experts are near a tie and one
+    # update flips more of them; GRPO without Routing Replay then sees the most expert volatility
+    # this model can give (docs/compare_grpo_gspo.md, "The volatile regime").
+    "volatile": ["model.num_layers=4", "model.num_experts=32", "model.moe_router_topk=4"],
 }
 # The tool owns the variant folders under --out: a rerun replaces a variant's previous run
 # (--skip-existing keeps the finished ones instead).
@@ -221,13 +247,17 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
         default="standard",
         help="standard: GSPO vs GRPO (+R2/R3), fp32 engine; mismatch: a bfloat16 engine, old "
         "log-probs recomputed vs the engine's, TIS, R2, R3; async: synchronous vs "
-        "rollout.max_staleness=1",
+        "rollout.max_staleness=1; attribution: the mismatch's sources one at a time, with "
+        "and without corrections (--sources, --corrections)",
     )
     parser.add_argument(
         "--variants",
         default=None,
         help="comma-separated subset of the suite's variants (default: all); "
-        + "; ".join(f"{name}: {', '.join(suite)}" for name, suite in SUITES.items()),
+        + "; ".join(
+            f"{name}: {', '.join(suite)}" for name, suite in SUITES.items() if name != "attribution"
+        )
+        + "; attribution: SOURCE or SOURCE+CORRECTION (rather --sources and --corrections)",
     )
     parser.add_argument(
         "--regime",
@@ -256,6 +286,7 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
         help="--rollout-engine sglang: where SGLang runs (default: cuda when torch sees a GPU); "
         "cpu adds the CPU backend's flags and environment",
     )
+    compare_attribution.add_arguments(parser)
     parser.add_argument("--preset", default=None, help="preset name or YAML path for every run")
     parser.add_argument("--steps", type=int, default=None, help="RL steps per variant")
     parser.add_argument(
@@ -332,6 +363,8 @@ def base_overrides(args: argparse.Namespace, overrides: list[str]) -> list[str]:
         run_overrides.append(f"steps={args.steps}")
     if args.seed is not None and seeds_of(args) is None:
         run_overrides.append(f"seed={args.seed}")
+    if args.suite == "attribution":  # after --quick's mini-batches, before the user's
+        run_overrides += compare_attribution.common_overrides(args)
     return run_overrides + overrides  # the user's overrides apply to every variant
 
 
@@ -700,6 +733,21 @@ def main(argv: list[str] | None = None) -> int:
     variants = (
         [v.strip() for v in args.variants.split(",") if v.strip()] if args.variants else list(suite)
     )
+    misplaced = compare_attribution.options_without_suite(args)
+    if misplaced:
+        print(
+            f"compare_grpo_gspo.py: {', '.join(misplaced)} belong to --suite attribution, "
+            f"not {args.suite}",
+            file=sys.stderr,
+        )
+        return 2
+    if args.suite == "attribution" and not args.variants:
+        variants, problems = compare_attribution.selected_variants(args)
+        if problems:
+            print(
+                "compare_grpo_gspo.py: --suite attribution: " + "; ".join(problems), file=sys.stderr
+            )
+            return 2
     if args.seeds < 1 or args.jobs < 1:
         print(
             f"--seeds ({args.seeds}) and --jobs ({args.jobs}) must be at least 1", file=sys.stderr
@@ -726,6 +774,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     env = {**os.environ, **(sglang.env if sglang else {})}
     seeds = seeds_of(args)
+    if args.suite == "attribution":
+        return compare_attribution_runs(args, overrides, variants, env)
     if seeds is not None:
         return compare_over_seeds(args, overrides, variants, seeds, sglang, env)
     timing: dict[str, tuple] = {}
@@ -840,6 +890,34 @@ def compare_over_seeds(
     print((out / "summary.md").read_text())
     print(f"[compare] wrote {out / 'summary.json'}, summary.md and {', '.join(summary['plots'])}")
     return 1 if failed else 0
+
+
+def compare_attribution_runs(
+    args: argparse.Namespace, overrides: list[str], variants: list[str], env: dict[str, str]
+) -> int:
+    """The attribution suite: every variant at every seed (one seed without ``--seeds``, in the
+    same ``<variant>/seed_<seed>`` layout), the usual summary, then ``attribution.md`` /
+    ``attribution.json`` and its plots (tools/compare_attribution.py)."""
+    seeds = seeds_of(args) or [DEFAULT_SEED if args.seed is None else args.seed]
+    code = compare_over_seeds(args, overrides, variants, seeds, None, env)
+    out = Path(args.out)
+    runs = {
+        variant: {seed: read_metrics(run_dir_of(out, variant, seed)) for seed in seeds}
+        for variant in variants
+    }
+    summary = compare_attribution.summarize(
+        out,
+        runs,
+        algorithm=args.algorithm,
+        mini_batches=args.attribution_mini_batches,
+        threshold=args.reward_threshold,
+        collapse_drop=args.collapse_drop,
+    )
+    print((out / "attribution.md").read_text())
+    print(
+        f"[compare] wrote {out / 'attribution.json'}, attribution.md and {', '.join(summary['plots'])}"
+    )
+    return code
 
 
 def _finished(run_dir: Path) -> dict | None:

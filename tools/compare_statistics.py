@@ -11,6 +11,7 @@ tool's ``--help`` imports no numerical library.
 
 from __future__ import annotations
 
+import functools
 import math
 import statistics
 from collections.abc import Sequence
@@ -19,6 +20,7 @@ from typing import Optional
 CONFIDENCE = 0.95
 
 
+@functools.cache  # a summary asks for the same few quantiles many times
 def t_quantile(probability: float, degrees_of_freedom: int) -> float:
     """The ``probability`` quantile of Student's t with ``degrees_of_freedom`` (> 0), by
     bisection on its distribution function (Simpson's rule on the density; 1e-9 accurate)."""

@@ -30,7 +30,12 @@ from megatron_gspo.config.loss_rules import (
     SURROGATES,
 )
 from megatron_gspo.config.model import ARCHITECTURES, ModelConfig, ParallelConfig
-from megatron_gspo.config.rollout import ROLLOUT_DTYPES, ROLLOUT_ENGINES, RolloutConfig
+from megatron_gspo.config.rollout import (
+    EMBEDDED_MAX_BATCH_SIZE,
+    ROLLOUT_DTYPES,
+    ROLLOUT_ENGINES,
+    RolloutConfig,
+)
 from megatron_gspo.config.schema import (
     ConfigError,
     ConfigWarning,
@@ -62,6 +67,7 @@ __all__ = [
     "ConfigError",
     "ConfigWarning",
     "DataConfig",
+    "EMBEDDED_MAX_BATCH_SIZE",
     "EnvConfig",
     "EvalConfig",
     "GmpoConfig",

@@ -32,6 +32,7 @@ from megatron_gspo.config.schema import ConfigError, check_choice, check_positiv
 
 OLD_LOG_PROB_SOURCES = ("recompute", "rollout", "detach")
 ROUTING_REPLAY_MODES = ("none", "r2", "r3")
+ROUTING_REPLAY_WEIGHTS = ("recompute", "replayed")
 ADVANTAGE_LEVELS = ("sequence", "turn")
 
 CORRECTION_LEVELS = ("none", *loss_rules.CORRECTION_LEVELS)
@@ -250,6 +251,15 @@ class AlgoConfig:
     routing_replay: str = "none"
     """MoE Routing Replay: none, r2 (replay the routes recorded in the old-log-prob forward),
     r3 (replay the rollout engine's routes in the old-log-prob and training forwards)."""
+    routing_replay_weights: str = "recompute"
+    """What a replayed route keeps of the recorded routing: recompute (replay the expert ids and
+    take their weights from the router being trained, so the router keeps its gradient:
+    Megatron's RouterReplay, verl and slime) or replayed (replay the ids and the weights the old
+    policy's forward gave them, constants: the MoE layers compute exactly what the old forward
+    computed where the rest of the model agrees, and the router gets no gradient from the
+    policy loss). replayed needs routing_replay=r2: the rollout engines report expert ids only
+    (the route format, SGLang's return_routed_experts), so R3 cannot replay the engine's
+    weights. Logged as routing_replay_weights_replayed (1 or 0) on every replayed step."""
     log_routing_change: bool = True
     """MoE: measure expert volatility on every mini-batch, ``routing_change_frac`` (share of
     (loss token, MoE layer) pairs whose top-k set under the weights being trained differs from
@@ -319,6 +329,20 @@ class AlgoConfig:
             ROUTING_REPLAY_MODES,
             "none, r2 (training-engine routes) or r3 (rollout-engine routes)",
         )
+        check_choice(
+            "algo.routing_replay_weights",
+            self.routing_replay_weights,
+            ROUTING_REPLAY_WEIGHTS,
+            "a replayed route's weights are recomputed from the current router or replayed",
+        )
+        if self.routing_replay_weights == "replayed" and self.routing_replay != "r2":
+            raise ConfigError(
+                "algo.routing_replay_weights",
+                f"replayed with routing_replay={self.routing_replay!r}",
+                "only R2's routes come with weights (recorded by the training engine's "
+                "old-log-prob forward); the rollout engines report expert ids only",
+                "set algo.routing_replay=r2, or algo.routing_replay_weights=recompute",
+            )
         check_choice(
             "algo.advantage_level",
             self.advantage_level,

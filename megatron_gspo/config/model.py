@@ -13,7 +13,17 @@ from megatron_gspo.config.schema import ConfigError, check_choice, check_positiv
 # Model
 # --------------------------------------------------------------------------------------------
 
-ARCHITECTURES = ("qwen3_moe", "mixtral", "qwen2_moe", "qwen3")
+ARCHITECTURES = ("qwen3_moe", "mixtral", "qwen2_moe", "qwen3", "glm4_moe")
+
+GLM4_ONLY_FIELDS = {
+    "moe_router_num_groups": 1,
+    "moe_router_group_topk": 1,
+    "moe_router_topk_scaling_factor": 1.0,
+    "moe_router_bias_update_rate": 0.0,
+    "rotary_percent": 1.0,
+}
+"""The :class:`ModelConfig` fields only glm4_moe expresses, with the value every other
+architecture has (``convert.hf_config`` rejects any other value there)."""
 
 
 @dataclass
@@ -21,7 +31,9 @@ class ModelConfig:
     """Architecture of the policy. The defaults are the tiny CPU demo MoE (Qwen3-MoE shaped)."""
 
     architecture: str = "qwen3_moe"
-    """One of qwen3_moe, mixtral, qwen2_moe (MoE with a gated shared expert) or qwen3 (dense)."""
+    """One of qwen3_moe, mixtral, qwen2_moe (MoE with a gated shared expert), qwen3 (dense) or
+    glm4_moe (GLM-4.5 / GLM-4.5-Air: sigmoid router with a score-correction bias, un-gated shared
+    experts, partial RoPE; docs/glm4-moe.md)."""
     hf_path: Optional[str] = None
     """Start from this Hugging Face directory: architecture and sizes are read from its
     config.json (fields set here must agree) and each rank loads its own shards."""
@@ -48,19 +60,41 @@ class ModelConfig:
     """Experts each token is routed to."""
     moe_renormalize_topk: bool = True
     """Renormalise the top-k router probabilities (Qwen3-MoE norm_topk_prob=True, Mixtral always;
-    Qwen2-MoE uses False)."""
+    Qwen2-MoE uses False; GLM-4.5 True, and Megatron's sigmoid router always renormalises)."""
+    moe_router_num_groups: int = 1
+    """Expert groups of group-limited routing (GLM-4.5 / DeepSeek-V3 ``n_group``; Megatron
+    ``moe_router_num_groups``): each token first picks ``moe_router_group_topk`` groups, ranked
+    by the sum of their top-2 biased scores, then its top-k experts inside them. 1: no groups."""
+    moe_router_group_topk: int = 1
+    """Groups each token may route into (``topk_group``; Megatron ``moe_router_group_topk``)."""
+    moe_router_topk_scaling_factor: float = 1.0
+    """Factor on the (renormalised) top-k weights (GLM-4.5 ``routed_scaling_factor``: 1.0 in
+    GLM-4.5-Air, 2.5 in GLM-4.5; Megatron ``moe_router_topk_scaling_factor``). glm4_moe only."""
+    moe_router_bias_update_rate: float = 0.0
+    """glm4_moe only: step of Megatron's aux-loss-free load balancing (DeepSeek-V3 section 2.1.2,
+    arXiv 2412.19437; Megatron ``moe_router_bias_update_rate``), which after every optimizer step
+    moves each expert's score-correction bias (HF ``e_score_correction_bias``, a buffer, not a
+    trained weight) by +rate if the expert got fewer tokens than the mean, -rate if more. 0 (the
+    default, as slime's GLM-4.5 RL scripts) keeps the pretrained bias frozen: RL batches are small
+    and on-policy, and a drifting bias changes the routing of the rollout engine between weight
+    syncs for reasons unrelated to the reward (docs/glm4-moe.md, "The correction bias")."""
     shared_expert_intermediate_size: int = 0
-    """Size of the gated shared expert (Qwen2-MoE); 0 means none."""
+    """Size of the shared expert: gated in Qwen2-MoE, un-gated in glm4_moe
+    (``moe_intermediate_size * n_shared_experts``); 0 means none."""
     first_k_dense_layers: int = 0
     """The first k decoder layers use a dense MLP instead of experts."""
     qk_layernorm: bool = True
-    """Per-head RMSNorm on queries and keys (Qwen3); False for Mixtral and Qwen2-MoE."""
+    """Per-head RMSNorm on queries and keys (Qwen3); False for Mixtral and Qwen2-MoE; GLM-4.5's
+    ``use_qk_norm`` (true in GLM-4.5, false in GLM-4.5-Air)."""
     add_qkv_bias: bool = False
-    """Bias on q/k/v projections (Qwen2-MoE)."""
+    """Bias on q/k/v projections (Qwen2-MoE; GLM-4.5's ``attention_bias``, q/k/v only)."""
     rms_norm_eps: float = 1e-6
     """Epsilon of every RMSNorm."""
     rope_theta: float = 1_000_000.0
     """Base of the rotary position embedding (Qwen3: 1e6)."""
+    rotary_percent: float = 1.0
+    """Fraction of each head's channels that RoPE rotates, the first ones; the rest pass through
+    (GLM-4.5 ``partial_rotary_factor`` 0.5; Megatron ``rotary_percent``). glm4_moe only."""
     max_position_embeddings: int = 4096
     """Longest sequence (prompt + response) the rotary tables cover."""
     tie_word_embeddings: bool = False
@@ -130,6 +164,75 @@ class ModelConfig:
                 "set shared_expert_intermediate_size > 0 or use architecture=qwen3_moe",
             )
         check_positive("model.moe_aux_loss_coef", self.moe_aux_loss_coef, allow_zero=True)
+        self._check_glm4_fields()
+
+    def _check_glm4_fields(self) -> None:
+        """The ranges of the router and RoPE fields of glm4_moe. (On another architecture they
+        must keep their neutral values; that is checked where the HF class is chosen,
+        ``convert.hf_config``, because a config with ``hf_path`` learns its architecture there.)"""
+        if self.architecture != "glm4_moe":
+            return
+        check_positive("model.moe_router_num_groups", self.moe_router_num_groups)
+        check_positive("model.moe_router_group_topk", self.moe_router_group_topk)
+        check_positive("model.moe_router_topk_scaling_factor", self.moe_router_topk_scaling_factor)
+        check_positive(
+            "model.moe_router_bias_update_rate", self.moe_router_bias_update_rate, allow_zero=True
+        )
+        groups, chosen = self.moe_router_num_groups, self.moe_router_group_topk
+        if self.num_experts % groups:
+            raise ConfigError(
+                "model.moe_router_num_groups",
+                f"{groups} does not divide num_experts={self.num_experts}",
+                "group-limited routing splits the experts into equal groups",
+                "choose moe_router_num_groups among the divisors of num_experts",
+            )
+        if chosen > groups:
+            raise ConfigError(
+                "model.moe_router_group_topk",
+                f"{chosen} > moe_router_num_groups={groups}",
+                "a token picks that many groups out of moe_router_num_groups",
+                "set moe_router_group_topk <= moe_router_num_groups",
+            )
+        if self.moe_router_topk > chosen * (self.num_experts // groups):
+            raise ConfigError(
+                "model.moe_router_topk",
+                f"top-{self.moe_router_topk} from {chosen} groups of "
+                f"{self.num_experts // groups} experts",
+                "the chosen groups must hold at least top-k experts",
+                "raise moe_router_group_topk or lower moe_router_topk",
+            )
+        if groups > 1 and self.moe_router_topk // chosen != 2:
+            raise ConfigError(
+                "model.moe_router_group_topk",
+                f"top-{self.moe_router_topk} over {chosen} groups ranks each group by the sum of "
+                f"its top-{self.moe_router_topk // chosen} scores",
+                "Megatron ranks groups by their top-(topk / group_topk) scores, GLM-4.5's HF "
+                "router by their top-2: they agree only when topk / group_topk = 2",
+                "set moe_router_group_topk = moe_router_topk / 2, or moe_router_num_groups=1",
+            )
+        if not self.moe_renormalize_topk or self.moe_router_topk < 2:
+            raise ConfigError(
+                "model.moe_renormalize_topk",
+                f"norm_topk_prob={self.moe_renormalize_topk} with top-{self.moe_router_topk}",
+                "Megatron's sigmoid router renormalises the top-k weights exactly when k > 1, "
+                "the HF GLM-4.5 router when norm_topk_prob is true",
+                "set moe_renormalize_topk=true and moe_router_topk >= 2",
+            )
+        if not 0 < self.rotary_percent <= 1:
+            raise ConfigError(
+                "model.rotary_percent",
+                f"{self.rotary_percent} is outside (0, 1]",
+                "it is the fraction of head channels that RoPE rotates",
+                "set 0 < rotary_percent <= 1 (GLM-4.5: 0.5)",
+            )
+        rotary_dim = self.head_dim * self.rotary_percent
+        if rotary_dim != int(rotary_dim) or int(rotary_dim) % 2:
+            raise ConfigError(
+                "model.rotary_percent",
+                f"head_dim={self.head_dim} x {self.rotary_percent} = {rotary_dim} channels",
+                "RoPE rotates pairs of whole channels",
+                "choose rotary_percent so that head_dim * rotary_percent is an even integer",
+            )
 
     @property
     def is_moe(self) -> bool:

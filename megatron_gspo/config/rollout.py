@@ -21,6 +21,8 @@ ROLLOUT_DTYPES = ("float32", "bfloat16", "float16")
 ROLLOUT_ENGINES = ("embedded", "embedded_http", "sglang")
 """What ``rollout.engine`` may name; each is built by its builder in
 :data:`megatron_gspo.rollout.factory.ENGINE_BUILDERS`."""
+EMBEDDED_MAX_BATCH_SIZE = 64
+"""``rollout.embedded_max_batch_size``'s default: the embedded engine's batch size."""
 
 
 @dataclass
@@ -40,6 +42,15 @@ class RolloutConfig:
     docs/algorithms.md). Logits come out of the output layer in this dtype and the log-softmax is
     taken in float32, as SGLang's logits processor and sampler do. SGLang picks its own dtype
     (its ``--dtype``, in ``sglang.extra_args``), so this must stay float32 with engine=sglang."""
+    embedded_max_batch_size: int = EMBEDDED_MAX_BATCH_SIZE
+    """Most samples the embedded engines (``embedded``, ``embedded_http``) decode together; a
+    longer list of requests runs in several batches, grouped by prompt length. The batch a
+    sample shares changes its logits by float rounding (left padding changes the lengths of the
+    attention's reductions, the matmuls see other shapes): the batch variance of real inference
+    servers, one source of the training-inference mismatch. 1 decodes every sample alone (no
+    padding); ``tools/compare_grpo_gspo.py --suite attribution`` measures what it changes
+    (docs/compare_grpo_gspo.md, "Mismatch attribution"). SGLang batches as its scheduler
+    decides, so this stays at its default with engine=sglang."""
     temperature: float = 1.0
     """Sampling temperature; training log-probs are computed at the same temperature."""
     top_p: float = 1.0
@@ -130,6 +141,15 @@ class RolloutConfig:
             ("tensor", "distributed", "disk"),
             "SGLang takes weights from tensors, a broadcast group or disk",
         )
+        check_positive("rollout.embedded_max_batch_size", self.embedded_max_batch_size)
+        if self.engine == "sglang" and self.embedded_max_batch_size != EMBEDDED_MAX_BATCH_SIZE:
+            raise ConfigError(
+                "rollout.embedded_max_batch_size",
+                f"embedded_max_batch_size={self.embedded_max_batch_size} with engine=sglang",
+                "it sizes the embedded engine's batches; SGLang's scheduler forms its own",
+                f"leave rollout.embedded_max_batch_size at {EMBEDDED_MAX_BATCH_SIZE}, or use an "
+                "embedded engine",
+            )
         check_positive("rollout.temperature", self.temperature)
         if not 0 < self.top_p <= 1:
             raise ConfigError(

@@ -24,6 +24,7 @@ from megatron_gspo.convert.hf_config import hf_config_dict, model_config_from_hf
 from megatron_gspo.convert.mapping import (
     ConversionError,
     hf_parameter_shapes,
+    hf_storage_dtype,
     megatron_parameter_shapes,
     megatron_to_hf,
     parse_megatron_name,
@@ -134,19 +135,25 @@ def convert_torch_dist_to_hf(
     if model.tie_word_embeddings:
         parameters = [p for p in parameters if p.name != "output_layer.weight"]
 
-    def out_dtype(stored: Optional[torch.dtype]) -> torch.dtype:
+    def out_dtype(stored: Optional[torch.dtype], name: Optional[str] = None) -> torch.dtype:
+        if name is not None and parse_megatron_name(name).kind == "router_bias":
+            return torch.float32  # GLM-4.5's correction bias (mapping.hf_storage_dtype)
         return dtype or stored or torch.float32
 
     planned = []
     for parameter in parameters:
-        meta = torch.empty(parameter.shape, dtype=out_dtype(parameter.dtype), device="meta")
+        meta = torch.empty(
+            parameter.shape, dtype=out_dtype(parameter.dtype, parameter.name), device="meta"
+        )
         for name, tensor in megatron_to_hf(parameter.name, meta, model):
             planned.append(PlannedTensor(name, tuple(tensor.shape), tensor.dtype))
     summary = ExportSummary(out_dir=os.path.abspath(out_dir), skipped_keys=skipped)
     with atomic_directory(out_dir, overwrite=overwrite) as temporary:
         with ShardedSafetensorsWriter(temporary, planned, max_shard_bytes) as writer:
             for parameter in parameters:
-                _write_parameter(writer, checkpoint, parameter, model, out_dtype(parameter.dtype))
+                _write_parameter(
+                    writer, checkpoint, parameter, model, out_dtype(parameter.dtype, parameter.name)
+                )
         summary.shard_files = list(writer.file_names)
         stored_dtype = next((p.dtype for p in parameters if p.dtype is not None), torch.float32)
         summary.copied_files = write_config_files(
@@ -197,13 +204,14 @@ def save_hf_checkpoint(
     """
     dtype = dtype or _DTYPES[model.dtype]
     planned = [
-        PlannedTensor(name, shape, dtype) for name, shape in hf_parameter_shapes(model).items()
+        PlannedTensor(name, shape, hf_storage_dtype(name, dtype))
+        for name, shape in hf_parameter_shapes(model).items()
     ]
     summary = ExportSummary(out_dir=os.path.abspath(out_dir))
     with atomic_directory(out_dir, overwrite=overwrite) as temporary:
         with ShardedSafetensorsWriter(temporary, planned, max_shard_bytes) as writer:
             for name, tensor in named_hf_tensors:
-                writer.write(name, tensor.to(dtype))
+                writer.write(name, tensor.to(hf_storage_dtype(name, dtype)))
         summary.shard_files = list(writer.file_names)
         summary.copied_files = write_config_files(
             temporary, model, origin_hf=origin_hf, dtype=dtype

@@ -17,13 +17,26 @@ Field correspondence (ours -> HF):
 ``head_dim``                   ``head_dim``
 ``ffn_hidden_size``            ``intermediate_size`` (dense layers)
 ``moe_ffn_hidden_size``        ``moe_intermediate_size`` (Mixtral: ``intermediate_size``)
-``num_experts``                ``num_experts`` (Mixtral: ``num_local_experts``)
+``num_experts``                ``num_experts`` (Mixtral: ``num_local_experts``, GLM-4.5:
+                               ``n_routed_experts``)
 ``moe_router_topk``            ``num_experts_per_tok``
 ``moe_renormalize_topk``       ``norm_topk_prob`` (Mixtral always renormalises)
-``first_k_dense_layers``       ``mlp_only_layers = [0, ..., k-1]`` (Qwen MoE only)
-``shared_expert_...``          ``shared_expert_intermediate_size`` (Qwen2-MoE)
-``add_qkv_bias``               ``qkv_bias`` (Qwen2-MoE) / ``attention_bias`` (Qwen3)
+``first_k_dense_layers``       ``mlp_only_layers = [0, ..., k-1]`` (Qwen MoE),
+                               ``first_k_dense_replace`` (GLM-4.5)
+``shared_expert_...``          ``shared_expert_intermediate_size`` (Qwen2-MoE),
+                               ``moe_intermediate_size * n_shared_experts`` (GLM-4.5)
+``add_qkv_bias``               ``qkv_bias`` (Qwen2-MoE) / ``attention_bias`` (Qwen3, GLM-4.5)
+``qk_layernorm``               ``use_qk_norm`` (GLM-4.5; Qwen3 always, others never)
+``moe_router_num_groups``      ``n_group`` (GLM-4.5)
+``moe_router_group_topk``      ``topk_group`` (GLM-4.5)
+``moe_router_topk_scaling...`` ``routed_scaling_factor`` (GLM-4.5)
+``rotary_percent``             ``partial_rotary_factor`` (GLM-4.5; in ``rope_parameters`` in HF 5)
 =============================  ==================================================================
+
+GLM-4.5's router always scores with a sigmoid and selects with its ``e_score_correction_bias``
+(``docs/glm4-moe.md``); its multi-token-prediction layers (``num_nextn_predict_layers``) are not
+built: their tensors are left unused on import and an export writes
+``num_nextn_predict_layers = 0``.
 
 The router auxiliary loss is switched off (``output_router_logits=False``,
 ``router_aux_loss_coef=0``): the trainer owns the load-balancing loss, and an HF forward must not
@@ -39,12 +52,14 @@ from __future__ import annotations
 from typing import Any
 
 from megatron_gspo.config import ConfigError, ModelConfig
+from megatron_gspo.config.model import GLM4_ONLY_FIELDS
 
 HF_ARCHITECTURE_CLASS = {
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "mixtral": "MixtralForCausalLM",
     "qwen2_moe": "Qwen2MoeForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "glm4_moe": "Glm4MoeForCausalLM",
 }
 """``transformers`` causal-LM class of each of our architectures."""
 
@@ -96,13 +111,33 @@ def _check_representable(model: ModelConfig) -> None:
             "Megatron model (add_qkv_bias) does not have",
             "set model.add_qkv_bias=false, or use architecture=qwen2_moe for q/k/v bias",
         )
-    if arch != "qwen2_moe" and model.shared_expert_intermediate_size:
+    if arch not in ("qwen2_moe", "glm4_moe") and model.shared_expert_intermediate_size:
         raise ConfigError(
             "model.shared_expert_intermediate_size",
             f"a shared expert on {arch}",
-            "only the Qwen2-MoE HF class has a (gated) shared expert",
+            "only the Qwen2-MoE (gated) and GLM-4.5 (un-gated) HF classes have a shared expert",
             "set model.shared_expert_intermediate_size=0 or use architecture=qwen2_moe",
         )
+    if arch != "glm4_moe":
+        for name, neutral in GLM4_ONLY_FIELDS.items():
+            if getattr(model, name) != neutral:
+                raise ConfigError(
+                    f"model.{name}",
+                    f"{getattr(model, name)!r} on {arch}",
+                    f"only GLM-4.5 has this feature; the {HF_ARCHITECTURE_CLASS[arch]} class "
+                    "would ignore it, so the rollout engine would compute another network",
+                    f"set model.{name}={neutral!r} or use architecture=glm4_moe",
+                )
+    if arch == "glm4_moe":
+        shared, expert = model.shared_expert_intermediate_size, model.moe_ffn_hidden_size
+        if shared <= 0 or shared % expert:
+            raise ConfigError(
+                "model.shared_expert_intermediate_size",
+                f"{shared} is not a positive multiple of moe_ffn_hidden_size={expert}",
+                "the GLM-4.5 HF class sizes its shared expert as moe_intermediate_size * "
+                "n_shared_experts",
+                f"set model.shared_expert_intermediate_size to n * {expert} with n >= 1",
+            )
 
 
 def hf_config_kwargs(model: ModelConfig) -> dict[str, Any]:
@@ -130,6 +165,26 @@ def hf_config_kwargs(model: ModelConfig) -> dict[str, Any]:
         "architectures": [HF_ARCHITECTURE_CLASS[model.architecture]],
     }
     arch = model.architecture
+    if arch == "glm4_moe":
+        del kwargs["use_sliding_window"]
+        kwargs.update(
+            num_experts_per_tok=model.moe_router_topk,
+            output_router_logits=False,
+            moe_intermediate_size=model.moe_ffn_hidden_size,
+            n_routed_experts=model.num_experts,
+            n_shared_experts=model.shared_expert_intermediate_size // model.moe_ffn_hidden_size,
+            norm_topk_prob=model.moe_renormalize_topk,
+            first_k_dense_replace=model.first_k_dense_layers,
+            n_group=model.moe_router_num_groups,
+            topk_group=model.moe_router_group_topk,
+            routed_scaling_factor=model.moe_router_topk_scaling_factor,
+            attention_bias=model.add_qkv_bias,
+            use_qk_norm=model.qk_layernorm,
+            partial_rotary_factor=model.rotary_percent,
+            # The multi-token-prediction layers are not built (docs/glm4-moe.md).
+            num_nextn_predict_layers=0,
+        )
+        return kwargs
     if arch == "qwen3":
         kwargs["attention_bias"] = model.add_qkv_bias
         return kwargs
@@ -177,6 +232,7 @@ def hf_config_from_model_config(model: ModelConfig):
         "mixtral": "MixtralConfig",
         "qwen2_moe": "Qwen2MoeConfig",
         "qwen3": "Qwen3Config",
+        "glm4_moe": "Glm4MoeConfig",
     }[model.architecture]
     config = getattr(transformers, config_class_name)(**kwargs)
     config.rope_theta = model.rope_theta
@@ -221,6 +277,12 @@ def hf_config_dict(
     config["rope_theta"] = model.rope_theta
     rope_parameters = dict(config.get("rope_parameters") or {})
     rope_parameters.update(rope_type="default", rope_theta=model.rope_theta)
+    if model.architecture == "glm4_moe":
+        # transformers 5 reads it from rope_parameters, 4.x from the top level; a config
+        # without it defaults to 0.5 in both.
+        rope_parameters["partial_rotary_factor"] = config["partial_rotary_factor"] = (
+            model.rotary_percent
+        )
     config["rope_parameters"] = rope_parameters
     config.pop("rope_scaling", None)
     if model.is_moe:
@@ -270,7 +332,7 @@ def model_config_fields_from_hf(config_json: dict[str, Any]) -> dict[str, Any]:
             "model.hf_path",
             f"config.json has model_type={model_type!r}",
             "a weight mapping exists only for " + ", ".join(HF_ARCHITECTURE_CLASS),
-            "use a Qwen3-MoE, Mixtral, Qwen2-MoE or Qwen3 checkpoint",
+            "use a Qwen3-MoE, Mixtral, Qwen2-MoE, Qwen3 or GLM-4.5 checkpoint",
         )
     config_class = transformers.CONFIG_MAPPING[model_type]
     config = config_class(
@@ -320,6 +382,8 @@ def model_config_fields_from_hf(config_json: dict[str, Any]) -> dict[str, Any]:
         fields["ffn_hidden_size"] = config.intermediate_size
         return fields
     fields["moe_router_topk"] = config.num_experts_per_tok
+    if model_type == "glm4_moe":
+        return _glm4_moe_fields(config, fields)
     if model_type == "mixtral":
         fields.update(
             num_experts=config.num_local_experts,
@@ -351,6 +415,30 @@ def model_config_fields_from_hf(config_json: dict[str, Any]) -> dict[str, Any]:
     )
     if model_type == "qwen2_moe":
         fields["shared_expert_intermediate_size"] = config.shared_expert_intermediate_size
+    return fields
+
+
+def _glm4_moe_fields(config: Any, fields: dict[str, Any]) -> dict[str, Any]:
+    """The GLM-4.5 part of :func:`model_config_fields_from_hf` (``config``: a Glm4MoeConfig)."""
+    rope_parameters = getattr(config, "rope_parameters", None) or {}
+    # The Glm4MoeConfig default, as transformers applies it to a config.json without the key.
+    rotary_percent = rope_parameters.get(
+        "partial_rotary_factor", getattr(config, "partial_rotary_factor", 0.5)
+    )
+    fields.update(
+        num_experts=config.n_routed_experts,
+        moe_ffn_hidden_size=config.moe_intermediate_size,
+        ffn_hidden_size=config.intermediate_size,
+        moe_renormalize_topk=bool(config.norm_topk_prob),
+        first_k_dense_layers=min(config.first_k_dense_replace, config.num_hidden_layers),
+        shared_expert_intermediate_size=config.moe_intermediate_size * config.n_shared_experts,
+        moe_router_num_groups=config.n_group,
+        moe_router_group_topk=config.topk_group,
+        moe_router_topk_scaling_factor=float(config.routed_scaling_factor),
+        qk_layernorm=bool(config.use_qk_norm),
+        add_qkv_bias=bool(config.attention_bias),
+        rotary_percent=float(rotary_percent),
+    )
     return fields
 
 

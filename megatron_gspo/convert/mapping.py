@@ -28,6 +28,9 @@ Tensor rules (``H`` query heads, ``G`` key/value groups, ``d`` head_dim, ``h`` h
   keeps the first ``V`` rows, import appends ``V_pad - V`` zero rows.
 * tied embeddings: ``output_layer.weight`` (present on the last pipeline stage) is not exported, and
   it is imported from ``model.embed_tokens.weight``.
+* GLM-4.5's score-correction bias: Megatron's router buffer ``mlp.router.expert_bias`` ``[E]``
+  (float32) is HF's ``mlp.gate.e_score_correction_bias`` buffer; a buffer, not a trained weight,
+  converted like one because both checkpoints store it (``docs/glm4-moe.md``).
 * everything else is a copy.
 """
 
@@ -73,6 +76,7 @@ _LAYER_PATTERNS: tuple[tuple[re.Pattern, str], ...] = tuple(
         (r"mlp\.linear_fc1\.weight", "dense_fc1"),
         (r"mlp\.linear_fc2\.weight", "dense_fc2"),
         (r"mlp\.router\.weight", "router"),
+        (r"mlp\.router\.expert_bias", "router_bias"),
         (r"mlp\.experts\.local_experts\.(?P<expert>\d+)\.linear_fc1\.weight", "expert_fc1"),
         (r"mlp\.experts\.local_experts\.(?P<expert>\d+)\.linear_fc2\.weight", "expert_fc2"),
         (r"mlp\.experts\.linear_fc1\.weight(?P<expert>\d+)", "expert_fc1"),
@@ -121,7 +125,7 @@ def parse_megatron_name(global_name: str) -> ParamKey:
         )
     raise ConversionError(
         f"no HF mapping for the Megatron parameter {global_name!r}: it is not a parameter of the "
-        f"supported GPT architectures (Qwen3-MoE, Mixtral, Qwen2-MoE, Qwen3).{hint}"
+        f"supported GPT architectures (Qwen3-MoE, Mixtral, Qwen2-MoE, Qwen3, GLM-4.5).{hint}"
     )
 
 
@@ -147,6 +151,7 @@ def megatron_name(key: ParamKey, *, style: str = "local") -> str:
         "dense_fc1": "mlp.linear_fc1.weight",
         "dense_fc2": "mlp.linear_fc2.weight",
         "router": "mlp.router.weight",
+        "router_bias": "mlp.router.expert_bias",
         "expert_fc1": (
             f"mlp.experts.linear_fc1.weight{key.expert}"
             if te
@@ -193,6 +198,12 @@ _MIXTRAL_EXPERTS = {
     ),
     "expert_fc2": ("block_sparse_moe.experts.{expert}.w2.weight",),
 }
+_GLM4_EXPERTS = {
+    **_QWEN_EXPERTS,
+    "router_bias": ("mlp.gate.e_score_correction_bias",),
+    "shared_fc1": ("mlp.shared_experts.gate_proj.weight", "mlp.shared_experts.up_proj.weight"),
+    "shared_fc2": ("mlp.shared_experts.down_proj.weight",),
+}
 _SHARED_EXPERT = {
     "shared_fc1": ("mlp.shared_expert.gate_proj.weight", "mlp.shared_expert.up_proj.weight"),
     "shared_fc2": ("mlp.shared_expert.down_proj.weight",),
@@ -204,6 +215,7 @@ LAYER_TABLES: dict[str, dict[str, tuple[str, ...]]] = {
     "mixtral": {**_ATTENTION, **_MIXTRAL_EXPERTS},
     "qwen2_moe": {**_ATTENTION, **_DENSE_MLP, **_QWEN_EXPERTS, **_SHARED_EXPERT},
     "qwen3": {**_ATTENTION, **_QK_NORM, **_DENSE_MLP},
+    "glm4_moe": {**_ATTENTION, **_QK_NORM, **_DENSE_MLP, **_GLM4_EXPERTS},
 }
 """HF on-disk names of each decoder-layer parameter kind, per architecture."""
 
@@ -231,7 +243,15 @@ def _check_key(key: ParamKey, model: ModelConfig, name: str) -> None:
             "model.qk_layernorm, model.add_qkv_bias, model.shared_expert_intermediate_size)"
         )
     is_moe_layer = key.layer in model.moe_layer_indices
-    moe_only = ("router", "expert_fc1", "expert_fc2", "shared_fc1", "shared_fc2", "shared_gate")
+    moe_only = (
+        "router",
+        "router_bias",
+        "expert_fc1",
+        "expert_fc2",
+        "shared_fc1",
+        "shared_fc2",
+        "shared_gate",
+    )
     if key.kind in moe_only and not is_moe_layer:
         raise ConversionError(
             f"{name!r}: layer {key.layer} is a dense layer in this config "
@@ -334,6 +354,7 @@ def _expected_shape(key: ParamKey, model: ModelConfig) -> tuple[int, ...]:
         "dense_fc1": (2 * model.ffn_hidden_size, hidden),
         "dense_fc2": (hidden, model.ffn_hidden_size),
         "router": (model.num_experts, hidden),
+        "router_bias": (model.num_experts,),
         "expert_fc1": (2 * model.moe_ffn_hidden_size, hidden),
         "expert_fc2": (hidden, model.moe_ffn_hidden_size),
         "shared_fc1": (2 * model.shared_expert_intermediate_size, hidden),
@@ -430,6 +451,13 @@ def megatron_from_hf(
     return full
 
 
+def hf_storage_dtype(hf_name: str, dtype: torch.dtype) -> torch.dtype:
+    """The dtype an HF checkpoint stores ``hf_name`` in: ``dtype``, except GLM-4.5's correction
+    bias, float32 in every checkpoint (transformers keeps it in float32 whatever the model dtype;
+    it shifts scores that differ by ~1e-3, below bf16's resolution near 0.5)."""
+    return torch.float32 if hf_name.endswith(".e_score_correction_bias") else dtype
+
+
 @functools.lru_cache(maxsize=65536)
 def parameter_sort_key(global_name: str) -> tuple:
     """Order of a one-process Megatron name: embedding, decoder layers by (layer, expert), final
@@ -471,10 +499,14 @@ def megatron_parameter_shapes(
             keys += [ParamKey(kind, layer) for kind in kinds]
             continue
         keys += [ParamKey(kind, layer) for kind in kinds + ["router"]]
+        if "router_bias" in table:
+            keys.append(ParamKey("router_bias", layer))
         for expert in range(model.num_experts):
             keys += [ParamKey(kind, layer, expert) for kind in ("expert_fc1", "expert_fc2")]
         if model.shared_expert_intermediate_size:
-            keys += [ParamKey(kind, layer) for kind in ("shared_fc1", "shared_fc2", "shared_gate")]
+            shared = ("shared_fc1", "shared_fc2")
+            shared += ("shared_gate",) if "shared_gate" in table else ()
+            keys += [ParamKey(kind, layer) for kind in shared]
     keys.append(ParamKey("final_norm"))
     if not model.tie_word_embeddings:
         keys.append(ParamKey("output"))

@@ -166,6 +166,45 @@ def registered_extensions() -> list[ClassExtension]:
     return list(_EXTENSIONS)
 
 
+# ---------------------------------------------------------------------------------------------
+# Expert-bias token counting (GLM-4.5's aux-loss-free load balancing)
+# ---------------------------------------------------------------------------------------------
+
+
+def count_routed_tokens(
+    router: torch.nn.Module, routing_map: torch.Tensor, padding_mask: Optional[torch.Tensor] = None
+) -> None:
+    """``TopKRouter._apply_expert_bias`` (0.16.1) with the padding mask broadcast over experts.
+
+    Upstream masks the ``[tokens, experts]`` routing map with the ``[tokens]`` padding mask
+    (True at padding) without adding the expert axis, which raises as soon as a packed
+    micro-batch carries a padding mask in a training forward (every one of ours). The counts feed
+    only ``finalize_model_grads``' expert-bias update (``model.moe_router_bias_update_rate``).
+    Same rule as upstream otherwise: count in grad-enabled forwards only (not in evaluation, not
+    in ``torch.no_grad`` recomputation), padding excluded."""
+    if router.enable_expert_bias and torch.is_grad_enabled():
+        with torch.no_grad():
+            if padding_mask is not None:
+                routing_map = routing_map & ~padding_mask.reshape(-1, 1)
+            router.local_tokens_per_expert += routing_map.sum(dim=0)
+
+
+def install_routed_token_counting(chunks: list[torch.nn.Module]) -> int:
+    """Give every router with an expert bias :func:`count_routed_tokens` (an instance attribute:
+    the class stays upstream's). Returns the number of routers changed."""
+    import functools
+
+    count = 0
+    for chunk in chunks:
+        for module in chunk.modules():
+            if getattr(module, "expert_bias", None) is not None and hasattr(
+                module, "local_tokens_per_expert"
+            ):
+                module._apply_expert_bias = functools.partial(count_routed_tokens, module)
+                count += 1
+    return count
+
+
 class RoutingReplayError(RuntimeError):
     """Routes were not consumed exactly once, or a router bypassed its ``RouterReplay``."""
 
@@ -220,6 +259,17 @@ class PolicyRouterReplay(RouterReplay):
     native_topk_idx: Optional[torch.Tensor]
     used_topk_idx: Optional[torch.Tensor]
     """The experts this forward dispatched to (replayed or native)."""
+    native_topk_probs: Optional[torch.Tensor]
+    """``[tokens, K]`` the combine weights a recording forward gave ``native_topk_idx`` (after
+    Megatron's renormalisation and scaling), set by :func:`replay_combine_weights`."""
+    target_topk_probs: Optional[torch.Tensor]
+    """Combine weights to use at the replayed ids instead of the current router's."""
+    replay_backward_probs: list
+    """``target_topk_probs`` queued for the backward recomputation, beside
+    ``replay_backward_list``."""
+    pending_probs: Optional[tuple[torch.Tensor, torch.Tensor]]
+    """``(replayed ids, weights)`` of the routing call under way, for
+    :func:`replay_combine_weights`."""
     forward_uses: int
 
     @classmethod
@@ -232,6 +282,10 @@ class PolicyRouterReplay(RouterReplay):
         replay.record_native = False
         replay.native_topk_idx = None
         replay.used_topk_idx = None
+        replay.native_topk_probs = None
+        replay.target_topk_probs = None
+        replay.replay_backward_probs = []
+        replay.pending_probs = None
         replay.forward_uses = 0
         return replay
 
@@ -241,7 +295,17 @@ class PolicyRouterReplay(RouterReplay):
         self.record_native = False
         self.native_topk_idx = None
         self.used_topk_idx = None
+        self.native_topk_probs = None
+        self.target_topk_probs = None
+        self.replay_backward_probs = []
+        self.pending_probs = None
         self.forward_uses = 0
+
+    def set_target_probs(self, probs: torch.Tensor) -> None:
+        """Replay these combine weights (``[tokens, K]``, constants) at the replayed ids of the
+        next forward, and of its backward recomputation (:func:`replay_combine_weights`)."""
+        self.target_topk_probs = probs
+        self.replay_backward_probs.append(probs)
 
     def get_replay_topk(
         self,
@@ -283,6 +347,41 @@ class PolicyRouterReplay(RouterReplay):
         )
         if action == RouterReplayAction.RECORD:
             self.native_topk_idx = indices
+        elif action == RouterReplayAction.REPLAY_FORWARD and self.target_topk_probs is not None:
+            self.pending_probs = (indices, self.target_topk_probs)
+        elif action == RouterReplayAction.REPLAY_BACKWARD and self.replay_backward_probs:
+            self.pending_probs = (indices, self.replay_backward_probs.pop(0))
         if action != RouterReplayAction.REPLAY_BACKWARD:
             self.used_topk_idx = indices
         return probs, indices
+
+
+def replay_combine_weights(router: torch.nn.Module, replay: PolicyRouterReplay) -> None:
+    """Wrap ``router.routing`` (``TopKRouter.routing(logits, padding_mask)``, an instance
+    attribute: the class stays upstream's) so that its combine weights can be recorded and
+    replayed, whatever the score function (softmax, sigmoid with expert bias, groups, scaling):
+
+    * after a recording forward (``RouterReplayAction.RECORD``) ``replay.native_topk_probs`` holds
+      the final weights at ``replay.native_topk_idx``;
+    * when :meth:`PolicyRouterReplay.set_target_probs` queued weights for a replayed forward (or
+      its backward recomputation), the router returns them at the replayed ids, constants: no
+      gradient reaches the router through them. ``+ 0 * probs`` keeps upstream's probs in the
+      graph, so that the load-balancing loss attached to them still gets its gradient.
+
+    Upstream's sigmoid router with an expert bias ignores the scores ``get_replay_topk`` returns
+    and re-gathers its own, so the weights must be replaced here, after ``routing``."""
+    upstream = router.routing
+
+    def routing(logits: torch.Tensor, padding_mask: Optional[torch.Tensor] = None):
+        probs, routing_map = upstream(logits, padding_mask=padding_mask)
+        pending, replay.pending_probs = replay.pending_probs, None
+        if pending is not None:
+            indices, weights = pending
+            weights = weights.to(device=probs.device, dtype=probs.dtype)
+            replayed = torch.zeros_like(probs).scatter(1, indices.to(probs.device), weights)
+            probs = replayed + 0.0 * probs
+        elif replay.router_replay_action == RouterReplayAction.RECORD:
+            replay.native_topk_probs = probs.detach().gather(1, replay.native_topk_idx)
+        return probs, routing_map
+
+    router.routing = routing

@@ -106,7 +106,7 @@ def load_hf_weights(
     report = HFLoadReport(hf_dir=hf_dir)
     with HFCheckpointReader(hf_dir) as reader:
         report.unused_hf_tensors = check_hf_directory(hf_dir, model, reader)
-        for global_name, param, info in iter_global_parameters(model_chunks):
+        for global_name, param, info in iter_global_parameters(model_chunks, buffers=True):
             full = megatron_from_hf(global_name, reader.get, model, full_shape=info.full_shape)
             local = shard_full_tensor(full, info)
             if local.shape != param.shape:
@@ -162,7 +162,8 @@ def _whole_parameter(param: torch.Tensor, info: ShardInfo) -> torch.Tensor:
 def iter_full_megatron_weights(
     model_chunks: Sequence[torch.nn.Module], *, dst: Optional[int] = 0, copy: bool = True
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """``(global_name, full tensor)`` for every parameter of the whole model, one at a time.
+    """``(global_name, full tensor)`` for every parameter of the whole model, one at a time
+    (with the routers' ``expert_bias`` buffers: GLM-4.5's correction bias, a checkpoint tensor).
 
     A collective: every rank of the world must call it and exhaust the iterator. For each
     parameter (in layer order, experts by index) the ranks that hold it gather it over tensor or
@@ -178,7 +179,7 @@ def iter_full_megatron_weights(
     world = dist.get_world_size() if dist.is_initialized() else 1
     rank = dist.get_rank() if dist.is_initialized() else 0
     held: dict[str, _Holding] = {}
-    for name, param, info in iter_global_parameters(model_chunks):
+    for name, param, info in iter_global_parameters(model_chunks, buffers=True):
         if not info.tied_copy:
             held[name] = _Holding(name, param, info)
     local_table = {h.name: (h.info.full_shape, h.param.dtype) for h in held.values()}

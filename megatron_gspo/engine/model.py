@@ -1,4 +1,5 @@
-"""The policy model: a Megatron-Core GPTModel for Qwen3-MoE, Mixtral, Qwen2-MoE and dense Qwen3.
+"""The policy model: a Megatron-Core GPTModel for Qwen3-MoE, Mixtral, Qwen2-MoE, dense Qwen3 and
+GLM-4.5 (``glm4_moe``).
 
 :func:`transformer_config` maps our :class:`~megatron_gspo.config.ModelConfig` and
 :class:`~megatron_gspo.config.ParallelConfig` to Megatron's ``TransformerConfig``;
@@ -42,6 +43,7 @@ from megatron_gspo.engine.compat import (
     gpt_postprocess_parameters,
     has_router_replay,
     has_transformer_engine,
+    install_routed_token_counting,
 )
 from megatron_gspo.engine.cpu_shims import SequenceParallelTorchNorm
 from megatron_gspo.engine.parallel import ParallelState
@@ -95,6 +97,12 @@ def transformer_config(
     biases except Qwen2-MoE's q/k/v bias, QK-norm (Qwen3), top-k softmax router; renormalised
     top-k (Qwen3-MoE, Mixtral) is Megatron's ``moe_router_pre_softmax=False`` (softmax over the
     top-k logits), no renormalisation (Qwen2-MoE) is ``True`` (top-k of the full softmax).
+    GLM-4.5 (``docs/glm4-moe.md``): sigmoid scores, selection by scores + ``expert_bias`` (the
+    HF ``e_score_correction_bias``; updated after each optimizer step only when
+    ``model.moe_router_bias_update_rate > 0``), group-limited top-k, renormalised top-k weights
+    times ``routed_scaling_factor``, an un-gated shared expert, q/k/v bias and partial RoPE
+    (``rotary_percent``, set on the model). Router logits in the model dtype, as for the other
+    architectures (HF's GLM router computes them in fp32; docs/glm4-moe.md, section 5).
     Sequence parallel whenever tp > 1. CPU runs use the settings of
     ``docs/megatron-cpu.md`` (no fusions, CPU initialisation); ``model.dtype=bfloat16`` is
     Megatron's mixed precision on CPU as on a GPU (bf16 parameters and compute, fp32 main
@@ -135,6 +143,17 @@ def transformer_config(
             moe_permute_fusion=False,
             moe_router_fusion=False,
         )
+        if model.architecture == "glm4_moe":
+            grouped = model.moe_router_num_groups > 1
+            moe.update(
+                moe_router_score_function="sigmoid",
+                moe_router_pre_softmax=False,
+                moe_router_enable_expert_bias=True,
+                moe_router_bias_update_rate=model.moe_router_bias_update_rate,
+                moe_router_num_groups=model.moe_router_num_groups if grouped else None,
+                moe_router_group_topk=model.moe_router_group_topk if grouped else None,
+                moe_router_topk_scaling_factor=model.moe_router_topk_scaling_factor,
+            )
         if moe_enable_routing_replay:
             if not has_router_replay():
                 raise RuntimeError(
@@ -334,13 +353,15 @@ def build_policy_model(
             post_process=mpu.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage),
             share_embeddings_and_output_weights=cfg.model.tie_word_embeddings,
             position_embedding_type="rope",
-            rotary_percent=1.0,
+            rotary_percent=cfg.model.rotary_percent,
             rotary_base=int(cfg.model.rope_theta),
             vp_stage=stage,
             unpadded_vocab_size=cfg.model.vocab_size,
         )
         chunk.to(parallel_state.device)
         chunks.append(chunk)
+    if cfg.model.architecture == "glm4_moe":
+        install_routed_token_counting(chunks)
     annotate_tensor_parallel_attributes(chunks)
     return chunks
 

@@ -25,6 +25,14 @@ The sample declares both kinds: ``TrainSample.rollout_routes`` from the rollout 
 (``forward_log_probs(record_routes=True)`` returns them; the stage that calls it stores them). The
 replay picks its source by mode, R2 the old routes and R3 the rollout's; nothing is overwritten.
 
+Weights (``algo.routing_replay_weights``). ``recompute``: Megatron's replay, above (the combine
+weights of the replayed ids come from the router being trained). ``replayed`` (R2 only): the
+old-log-prob forward also records each token's combine weights (``TrainSample.
+old_route_weights``, gathered like the ids) and the training forwards use them as constants at
+the replayed ids (:func:`~megatron_gspo.engine.compat.replay_combine_weights`; the router then gets
+no gradient from the policy loss). ``routing_replay_weights_replayed`` (1 or 0) is logged on every
+replayed training pass.
+
 Layout. The packer feeds exactly the ``L - 1`` input positions (``tokens[:-1]``: the last token
 predicts nothing), so the rollout engine's ``L - 1`` rows cover every input position and **no
 row is missing**: the last-token problem of verl/slime (they feed all ``L`` tokens) does not arise
@@ -72,7 +80,11 @@ from megatron.core import tensor_parallel
 from megatron.core.transformer.moe.router_replay import RouterReplayAction
 
 from megatron_gspo.config import TrainConfig
-from megatron_gspo.engine.compat import PolicyRouterReplay, RoutingReplayError
+from megatron_gspo.engine.compat import (
+    PolicyRouterReplay,
+    RoutingReplayError,
+    replay_combine_weights,
+)
 from megatron_gspo.engine.model import unwrap
 from megatron_gspo.engine.parallel import ParallelState
 from megatron_gspo.samples import TrainSample
@@ -105,6 +117,9 @@ class MicroBatchRoutes:
     routes (sample offset + position); -1 at padding."""
     replay: Optional[torch.Tensor]
     """``[T_loc, M, K]`` expert ids to replay (padding rows balanced), or None."""
+    replay_weights: Optional[torch.Tensor]
+    """``[T_loc, M, K]`` float32 combine weights to replay with them (padding rows 1/K), or
+    None (``algo.routing_replay_weights=recompute``: the current router's)."""
     compare_tokens: torch.Tensor
     """``[n]`` int64 local tokens that predict a loss token."""
     old: Optional[torch.Tensor]
@@ -132,6 +147,7 @@ def micro_batch_routes(
     topk: int,
     num_experts: int,
     tp_group: dist.ProcessGroup,
+    replay_weights: Optional[Sequence[torch.Tensor]] = None,
 ) -> MicroBatchRoutes:
     """Pack, zig-zag split and sequence-parallel scatter the routes of ``micro_batch``.
 
@@ -169,10 +185,20 @@ def micro_batch_routes(
         pad = balanced_pad_routes(torch.nonzero(padding).squeeze(1), topk, num_experts)
         full[padding] = pad.unsqueeze(1).to(dtype)
         replay_local = local(full)
+    weights_local = None
+    if replay_weights is not None:
+        if chosen:
+            weights = packed.full_row([replay_weights[i].float() for i in chosen])
+        else:
+            weights = torch.zeros((packed.num_tokens, num_moe_layers, topk), dtype=torch.float32)
+        # Padding rows reach no real token; any finite weights do.
+        weights[rows < 0] = 1.0 / topk
+        weights_local = local(weights)
     compare_rows = local_rows[compare_tokens]
     return MicroBatchRoutes(
         rows=local_rows,
         replay=replay_local,
+        replay_weights=weights_local,
         compare_tokens=compare_tokens,
         old=None if old is None else old[compare_rows],
         rollout=None if rollout is None else rollout[compare_rows],
@@ -207,6 +233,7 @@ class PolicyRouting:
         self.parallel = parallel
         self.mode = cfg.algo.routing_replay
         self.measure = cfg.algo.log_routing_change
+        self.replay_weights = cfg.algo.routing_replay_weights == "replayed"
         self.moe_layers = list(cfg.model.moe_layer_indices)
         self.topk = cfg.model.moe_router_topk
         self.num_experts = cfg.model.num_experts
@@ -230,9 +257,12 @@ class PolicyRouting:
                 if router.routing_type == "sinkhorn":
                     raise ValueError(f"{where}: sinkhorn routing bypasses RouterReplay")
                 moe_index = self.moe_layers.index(layer.layer_number - 1)
-                replays.append(
-                    PolicyRouterReplay.adopt(router.router_replay, layer.layer_number, moe_index)
+                adopted = PolicyRouterReplay.adopt(
+                    router.router_replay, layer.layer_number, moe_index
                 )
+                if self.replay_weights:
+                    replay_combine_weights(router, adopted)
+                replays.append(adopted)
             self.routers[id(chunk)] = replays
 
     @property
@@ -254,6 +284,26 @@ class PolicyRouting:
             )
             for index, (sample, route) in enumerate(zip(samples, routes))
         ]
+
+    def _validated_weights(
+        self, samples: Sequence[TrainSample], routes: Sequence[torch.Tensor]
+    ) -> list[torch.Tensor]:
+        weights = []
+        for index, (sample, route) in enumerate(zip(samples, routes)):
+            value = sample.old_route_weights
+            where = f"sample {index} (group {sample.group_id})"
+            if value is None:
+                raise RoutingReplayError(
+                    f"{where} has no old_route_weights: routing_replay_weights=replayed replays "
+                    "the weights recorded by forward_log_probs(record_routes=True)"
+                )
+            if value.shape != route.shape or not torch.isfinite(value).all():
+                raise RoutingReplayError(
+                    f"{where}: old_route_weights of shape {tuple(value.shape)} (finite: "
+                    f"{bool(torch.isfinite(value).all())}) do not fit routes {tuple(route.shape)}"
+                )
+            weights.append(value)
+        return weights
 
     @contextmanager
     def old_policy_pass(
@@ -277,7 +327,13 @@ class PolicyRouting:
             yield None
             return
         with RoutingPass(
-            self, samples, micro_batches, replay=replay, record=record, backward=False
+            self,
+            samples,
+            micro_batches,
+            replay=replay,
+            record=record,
+            record_weights=record and self.replay_weights,
+            backward=False,
         ) as routing_pass:
             yield routing_pass
 
@@ -303,6 +359,9 @@ class PolicyRouting:
             replay = self._validated(
                 samples, rollout_routes, "routing_replay=r3 replays the rollout's routes"
             )
+        replay_weights = None
+        if self.mode == "r2" and self.replay_weights:
+            replay_weights = self._validated_weights(samples, replay)
         old = rollout = None
         if self.measure:
             if self.mode == "r2":
@@ -321,6 +380,7 @@ class PolicyRouting:
             samples,
             micro_batches,
             replay=replay,
+            replay_weights=replay_weights,
             old=old,
             rollout=rollout,
             backward=backward,
@@ -341,14 +401,18 @@ class RoutingPass:
         micro_batches: Sequence[MicroBatch],
         *,
         replay: Optional[Sequence[torch.Tensor]] = None,
+        replay_weights: Optional[Sequence[torch.Tensor]] = None,
         old: Optional[Sequence[torch.Tensor]] = None,
         rollout: Optional[Sequence[torch.Tensor]] = None,
         record: bool = False,
+        record_weights: bool = False,
         backward: bool,
     ):
         self.routing = routing
         self.replay = replay is not None
+        self.replayed_weights = replay_weights is not None
         self.record = record
+        self.record_weights = record_weights
         self.compare_old = old is not None
         self.compare_rollout = rollout is not None
         # Full activation recompute re-runs each layer in the backward: it must replay the same
@@ -376,8 +440,16 @@ class RoutingPass:
                 topk=routing.topk,
                 num_experts=routing.num_experts,
                 tp_group=parallel.tp_group,
+                replay_weights=replay_weights,
             )
         self.recorded: Optional[list[torch.Tensor]] = None
+        self.recorded_weights: Optional[list[torch.Tensor]] = None
+        self._weight_buffer = None
+        if record_weights:
+            # One writer per entry (as the ids): the world sum below is an exact gather.
+            self._weight_buffer = torch.zeros(
+                (self.row_offsets[-1], num_layers, routing.topk), dtype=torch.float32
+            )
         self.metrics: dict[str, float] = {}
         self._buffer = None
         if record:
@@ -403,6 +475,9 @@ class RoutingPass:
             if self.replay:
                 target = routes.replay[:, replay.moe_index].to(self.device, torch.long)
                 replay.set_target_indices(target)
+                if self.replayed_weights:
+                    weights = routes.replay_weights[:, replay.moe_index].to(self.device)
+                    replay.set_target_probs(weights)
                 replay.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
             elif replay.record_native:
                 replay.set_router_replay_action(RouterReplayAction.RECORD)
@@ -426,6 +501,14 @@ class RoutingPass:
                 self._buffer[routes.rows[real], replay.moe_index] = (
                     native[real.to(native.device)].to("cpu", self._buffer.dtype) + 1
                 )
+            if self.record_weights:
+                real = routes.rows >= 0
+                weights = replay.native_topk_probs
+                if weights is None:
+                    raise RoutingReplayError(f"{where} recorded no combine weights")
+                self._weight_buffer[routes.rows[real], replay.moe_index] = weights[
+                    real.to(weights.device)
+                ].to("cpu", torch.float32)
             if self.compare_old or self.compare_rollout:
                 chosen = native[routes.compare_tokens.to(native.device)]
                 m = replay.moe_index
@@ -440,13 +523,14 @@ class RoutingPass:
                     self._counts[3, m] += differs.sum().to(self._counts)
                 self._counts[2, m] += chosen.shape[0]
             replay.native_topk_idx = replay.recorded_topk_idx = replay.target_topk_idx = None
-            replay.used_topk_idx = None
+            replay.used_topk_idx = replay.native_topk_probs = replay.target_topk_probs = None
             replay.record_native = False
             if self.recompute_in_backward:
                 replay.set_router_replay_action(RouterReplayAction.REPLAY_BACKWARD)
             else:
                 replay.clear_router_replay_action()
                 replay.replay_backward_list.clear()
+                replay.replay_backward_probs.clear()
 
     # -- end of the schedule ---------------------------------------------------------------
 
@@ -463,7 +547,7 @@ class RoutingPass:
 
     def _finish(self) -> None:
         for replay in self.routing.all_routers:
-            if replay.replay_backward_list:
+            if replay.replay_backward_list or replay.replay_backward_probs:
                 raise RoutingReplayError(
                     f"decoder layer {replay.layer_number - 1}: "
                     f"{len(replay.replay_backward_list)} replayed route sets were not consumed by "
@@ -477,6 +561,11 @@ class RoutingPass:
             self.metrics = self._change_metrics(self._counts.cpu())
         if self.record:
             self.recorded = self._gather_recorded(world)
+        if self.record_weights:
+            self.recorded_weights = self._gather_weights(world)
+        if self.replay:
+            # Which weights the replayed routes were combined with (docs/glm4-moe.md).
+            self.metrics["routing_replay_weights_replayed"] = float(self.replayed_weights)
 
     def _change_metrics(self, counts: torch.Tensor) -> dict[str, float]:
         metrics = {}
@@ -495,6 +584,18 @@ class RoutingPass:
                 if total[m] > 0:
                     metrics[f"{name}/layer_{layer}"] = float(counts[row, m] / total[m])
         return metrics
+
+    def _gather_weights(self, world: dist.ProcessGroup) -> list[torch.Tensor]:
+        """The recorded combine weights, summed over the world like the ids, per sample."""
+        flat = self._weight_buffer.view(-1)
+        for start in range(0, flat.numel(), _TRANSPORT_CHUNK):
+            part = flat[start : start + _TRANSPORT_CHUNK].to(self.device)
+            dist.all_reduce(part, group=world)
+            flat[start : start + _TRANSPORT_CHUNK] = part.cpu()
+        return [
+            self._weight_buffer[self.row_offsets[i] : self.row_offsets[i + 1]].clone()
+            for i in range(len(self.samples))
+        ]
 
     def _gather_recorded(self, world: dist.ProcessGroup) -> list[torch.Tensor]:
         """Every rank's recorded ids summed over the world (each entry written by one rank,

@@ -95,6 +95,8 @@ _RULES: list[tuple[re.Pattern, str, Optional[int], bool]] = [
         (r"^mlp\.(shared_experts\.)?linear_fc2\.bias$", REPLICATED, None, False),
         (r"^mlp\.shared_experts\.gate_weight$", REPLICATED, None, False),
         (r"^mlp\.router\.(weight|bias)$", REPLICATED, None, False),
+        # GLM-4.5's score-correction bias: a buffer, converted with the weights (buffers=True).
+        (r"^mlp\.router\.expert_bias$", REPLICATED, None, False),
         (r"^mlp\.experts\.local_experts\.\d+\.linear_fc1\.(weight|bias)$", GATED_SPLIT, 0, True),
         (r"^mlp\.experts\.local_experts\.\d+\.linear_fc2\.weight$", SPLIT, 1, True),
         (r"^mlp\.experts\.linear_fc1\.(weight|bias)\d+$", GATED_SPLIT, 0, True),
@@ -146,11 +148,24 @@ def _split_group(is_expert: bool) -> tuple[dist.ProcessGroup, int, int]:
     )
 
 
+def _named_tensors(model: torch.nn.Module, buffers: bool) -> Iterator[tuple[str, torch.Tensor]]:
+    yield from model.named_parameters()
+    if buffers:
+        for name, buffer in model.named_buffers():
+            if name.endswith("mlp.router.expert_bias"):
+                yield name, buffer
+
+
 def iter_global_parameters(
-    model_chunks: Sequence[torch.nn.Module],
+    model_chunks: Sequence[torch.nn.Module], *, buffers: bool = False
 ) -> Iterator[tuple[str, torch.nn.Parameter, ShardInfo]]:
     """``(global_name, local_param, ShardInfo)`` for every parameter of this rank's chunks (DDP
-    wrappers are unwrapped), in chunk then module order."""
+    wrappers are unwrapped), in chunk then module order.
+
+    ``buffers=True`` adds the buffers that a Hugging Face checkpoint stores as tensors of their
+    own: the routers' ``expert_bias`` (GLM-4.5's ``e_score_correction_bias``), replicated, after
+    the parameters. Weight import, export and sync ask for them; the optimizer, gradient and
+    initialisation paths do not (a buffer has no gradient)."""
     ep_rank = parallel_state.get_expert_model_parallel_rank()
     # The groups are the same for every parameter of one kind: looked up once per call.
     split_groups: dict[bool, tuple[dist.ProcessGroup, int, int]] = {}
@@ -161,7 +176,7 @@ def iter_global_parameters(
         decoder = getattr(model, "decoder", None)
         # A list, not the ModuleList: its indexing walks the modules on every access.
         layers = list(decoder.layers) if decoder is not None else []
-        for local_name, param in model.named_parameters():
+        for local_name, param in _named_tensors(model, buffers):
             layer = None
             suffix = local_name
             match = _LAYER.match(local_name)

@@ -105,6 +105,9 @@ class ForwardLogProbs:
     routes: Optional[list[torch.Tensor]] = None
     """Per sample ``[L - 1, M, K]`` native routes of the policy's MoE layers (the old policy's
     routes), when the forward recorded them; None otherwise."""
+    route_weights: Optional[list[torch.Tensor]] = None
+    """Per sample ``[L - 1, M, K]`` float32 combine weights of ``routes``, recorded with them
+    when ``algo.routing_replay_weights=replayed``; None otherwise."""
 
 
 class TrainEngine:
@@ -403,6 +406,7 @@ class TrainEngine:
         return ForwardLogProbs(
             log_probs=[flat[offsets[i] : offsets[i + 1]].clone() for i in range(len(samples))],
             routes=None if routing_pass is None else routing_pass.recorded,
+            route_weights=None if routing_pass is None else routing_pass.recorded_weights,
         )
 
     # -----------------------------------------------------------------------------------------

@@ -41,7 +41,7 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
-from megatron_gspo.config import ModelConfig, RolloutConfig
+from megatron_gspo.config import EMBEDDED_MAX_BATCH_SIZE, ModelConfig, RolloutConfig
 from megatron_gspo.rollout.hf_model import RouteRecorder, build_hf_model, moe_layer_indices
 from megatron_gspo.rollout.sampling import UniformStreams, sample_tokens, temperature_log_probs
 from megatron_gspo.rollout.types import (
@@ -108,7 +108,8 @@ class EmbeddedEngine(RolloutEngine):
         model_config: architecture of the policy.
         seed: initialises the random weights and the seeds of requests that carry none.
         max_batch_size: most samples decoded together (longer lists run in several batches,
-            grouped by prompt length to limit padding).
+            grouped by prompt length to limit padding; ``rollout.embedded_max_batch_size``).
+            The batch a sample shares changes its log-probs by rounding (batch variance).
         dtype: parameter and compute dtype of the whole forward, router included (``rollout.
             dtype``): float32 is the trainer's exact twin; bfloat16 / float16 cast the weights
             at each sync and compute in that dtype, as SGLang does (a real mismatch).
@@ -121,7 +122,7 @@ class EmbeddedEngine(RolloutEngine):
         model_config: ModelConfig,
         *,
         seed: int = 0,
-        max_batch_size: int = 64,
+        max_batch_size: int = EMBEDDED_MAX_BATCH_SIZE,
         dtype: torch.dtype = torch.float32,
         pause_wait_timeout_s: float = 600.0,
         hf_model: Any = None,
@@ -162,10 +163,15 @@ class EmbeddedEngine(RolloutEngine):
     def from_config(
         cls, model: ModelConfig, rollout: Optional[RolloutConfig] = None, *, seed: int = 0
     ) -> EmbeddedEngine:
-        """The engine for ``model`` in ``rollout.dtype`` (float32 without ``rollout``); the
-        sampling settings travel in each request."""
-        dtype = torch.float32 if rollout is None else getattr(torch, rollout.dtype)
-        return cls(model, seed=seed, dtype=dtype)
+        """The engine for ``model`` in ``rollout.dtype`` (float32 without ``rollout``) with
+        ``rollout.embedded_max_batch_size``; the sampling settings travel in each request."""
+        rollout = rollout if rollout is not None else RolloutConfig()
+        return cls(
+            model,
+            seed=seed,
+            dtype=getattr(torch, rollout.dtype),
+            max_batch_size=rollout.embedded_max_batch_size,
+        )
 
     # ------------------------------------------------------------------ properties and info
 

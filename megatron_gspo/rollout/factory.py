@@ -71,6 +71,7 @@ def build_embedded_http_engine(
             log_path=os.path.join(work_dir, "embedded_server.log"),
             seed=options.seed,
             dtype=rollout.dtype,
+            max_batch_size=rollout.embedded_max_batch_size,
             threads=rollout.engine_threads,
         ).start()
         return SGLangEngine(

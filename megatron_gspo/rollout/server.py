@@ -58,7 +58,7 @@ from urllib.parse import urlparse
 
 import torch
 
-from megatron_gspo.config import ModelConfig, from_dict
+from megatron_gspo.config import EMBEDDED_MAX_BATCH_SIZE, ModelConfig, from_dict
 from megatron_gspo.rollout.auth import (
     API_KEY_ENV,
     api_key_from_environment,
@@ -539,7 +539,8 @@ class _Handler(BaseHTTPRequestHandler):
 
 def main(argv: Optional[list[str]] = None) -> None:
     """``MEGATRON_GSPO_SGLANG_API_KEY=KEY python -m megatron_gspo.rollout.server --port P
-    [--model-config JSON] [--seed S] [--dtype float32|bfloat16|float16] [--threads T]``: serve a
+    [--model-config JSON] [--seed S] [--dtype float32|bfloat16|float16] [--max-batch-size B]
+    [--threads T]``: serve a
     randomly initialised embedded engine until interrupted (weights arrive through
     ``/update_weights_from_disk``). Clients must send the key, as with SGLang's ``--api-key``;
     it comes from the environment only, which other users cannot read (every local user reads a
@@ -557,6 +558,12 @@ def main(argv: Optional[list[str]] = None) -> None:
         default="float32",
         choices=["float32", "bfloat16", "float16"],
         help="the engine's parameter and compute dtype (rollout.dtype)",
+    )
+    parser.add_argument(
+        "--max-batch-size",
+        type=int,
+        default=EMBEDDED_MAX_BATCH_SIZE,
+        help="most samples decoded together (rollout.embedded_max_batch_size)",
     )
     parser.add_argument(
         "--model-config",
@@ -580,7 +587,12 @@ def main(argv: Optional[list[str]] = None) -> None:
     logging.basicConfig(level=logging.INFO)
     model_config = from_dict(ModelConfig, json.loads(args.model_config), prefix="model.")
     server = EmbeddedServer(
-        EmbeddedEngine(model_config, seed=args.seed, dtype=getattr(torch, args.dtype)),
+        EmbeddedEngine(
+            model_config,
+            seed=args.seed,
+            dtype=getattr(torch, args.dtype),
+            max_batch_size=args.max_batch_size,
+        ),
         port=args.port,
         api_key=api_key,
     )

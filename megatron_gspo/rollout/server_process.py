@@ -18,7 +18,7 @@ import socket
 import sys
 from typing import Optional
 
-from megatron_gspo.config import ModelConfig, to_dict
+from megatron_gspo.config import EMBEDDED_MAX_BATCH_SIZE, ModelConfig, to_dict
 from megatron_gspo.rollout.auth import API_KEY_ENV
 from megatron_gspo.rollout.server import LOOPBACK_HOST
 from megatron_gspo.rollout.sglang_launcher import SGLangServerProcess
@@ -47,6 +47,7 @@ class EmbeddedServerProcess:
         log_path: str,
         seed: int = 0,
         dtype: str = "float32",
+        max_batch_size: int = EMBEDDED_MAX_BATCH_SIZE,
         threads: Optional[int] = None,
         port: Optional[int] = None,
     ):
@@ -63,6 +64,8 @@ class EmbeddedServerProcess:
             str(seed),
             "--dtype",
             dtype,
+            "--max-batch-size",
+            str(max_batch_size),
             "--model-config",
             json.dumps(to_dict(model_config)),
         ]

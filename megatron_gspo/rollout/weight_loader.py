@@ -10,6 +10,10 @@ entries ``qwen2_moe`` — shared by ``qwen3_moe`` — and ``mixtral``)::
     mlp.experts.down_proj    [E, H, F]:   [e]     = down_e (w2)
     Mixtral: ".block_sparse_moe." -> ".mlp."
 
+GLM-4.5 (``glm4_moe``) packs its routed experts the same way; its routers' score-correction
+bias (``mlp.gate.e_score_correction_bias``) is a buffer, not a parameter, and is loaded like
+one: it decides which experts a token selects (``docs/glm4-moe.md``).
+
 A load is staged: every tensor is checked (known name, not seen before, exact shape) and copied
 into a staging buffer; the model's parameters change only after the whole set has arrived, so a
 bad stream (an unknown, repeated, mis-shaped or missing tensor, or a producer that raises midway)
@@ -63,6 +67,11 @@ class HFWeightLayout:
 
     def __init__(self, hf_model: Any):
         self.parameters: dict[str, torch.Tensor] = dict(hf_model.named_parameters())
+        self.parameters.update(
+            (name, buffer)
+            for name, buffer in hf_model.named_buffers()
+            if name.endswith(".mlp.gate.e_score_correction_bias")
+        )
         mixtral = hf_model.config.model_type == "mixtral"
         self.targets: dict[str, _Target] = {}
         self.shapes: dict[str, tuple[int, ...]] = {}

@@ -47,6 +47,10 @@ class TrainSample:
     """``[L - 1, M, K]`` the old policy's native routes, recorded by the training engine's
     old-log-prob forward (``forward_log_probs(record_routes=True)``). R2 replays them; they are
     the reference of ``routing_change_frac``."""
+    old_route_weights: Optional[torch.Tensor] = None
+    """``[L - 1, M, K]`` float32: the combine weights the old-log-prob forward gave
+    ``old_routes`` (renormalised and scaled, what multiplies each expert's output), recorded with
+    them when ``algo.routing_replay_weights=replayed``; R2 then replays them as constants."""
     turns: Optional[torch.Tensor] = None
     """``[R]`` int16: the model turn (0, 1, ...) of each response token, -1 for an environment's
     observation tokens (context, never trained on: their loss mask is False). None for a single

@@ -62,6 +62,8 @@ def recompute_old_log_probs(
         sample.old_log_probs = log_probs
         if old.routes is not None:
             sample.old_routes = old.routes[index]
+        if old.route_weights is not None:
+            sample.old_route_weights = old.route_weights[index]
 
 
 def set_reference_log_probs(engine: TrainEngine, samples: list[TrainSample]) -> None:

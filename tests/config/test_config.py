@@ -144,6 +144,15 @@ def test_unknown_preset_name():
         # r2 records routes in the recompute forward
         (["algo.routing_replay=r2", "algo.old_log_prob_source=rollout"], "algo.routing_replay"),
         (["algo.routing_replay=r2", "algo.old_log_prob_source=detach"], "algo.routing_replay"),
+        # only R2's routes come with weights (the rollout engines report ids only)
+        (["algo.routing_replay=r3", "algo.routing_replay_weights=replayed"],
+         "algo.routing_replay_weights"),
+        (["algo.routing_replay_weights=replayed"], "algo.routing_replay_weights"),
+        (["algo.routing_replay_weights=engine"], "algo.routing_replay_weights"),
+        # GLM-4.5: Megatron ranks groups by top-(k / group_topk), HF by top-2
+        (["model.architecture=glm4_moe", "model.shared_expert_intermediate_size=48",
+          "model.moe_router_num_groups=2", "model.moe_router_group_topk=2"],
+         "model.moe_router_group_topk"),
         # layout against the model
         (["parallel.ep=3"], "parallel.ep"),
         (["model.architecture=qwen3", "parallel.ep=2"], "parallel.ep"),

@@ -1,7 +1,8 @@
 """One rank of the Megatron side of the conversion tests (one process, or torchrun).
 
-``--plan`` is a JSON list of runs ``{"name", "architecture", "tp", "pp", "ep", "etp", "train"}``
-(layout keys default to 1); each run re-initialises the parallel layout and, for the HF
+``--plan`` is a JSON list of runs ``{"name", "architecture", "tp", "pp", "ep", "etp", "train",
+"bias_update_rate"}`` (layout keys default to 1; ``bias_update_rate`` sets GLM-4.5's
+``model.moe_router_bias_update_rate``); each run re-initialises the parallel layout and, for the HF
 directory ``--hf-root/<architecture>`` (written by ``tiny_models.write_all``):
 
 1. builds the policy and loads the HF weights (:func:`load_hf_weights`, each rank reading only
@@ -108,7 +109,10 @@ def main() -> None:
     try:
         for run in args.plan:
             name, hf_dir = run["name"], args.hf_root / run["architecture"]
-            model = resolve_model_config(ModelConfig(hf_path=str(hf_dir)))
+            overrides = {}
+            if "bias_update_rate" in run:
+                overrides["moe_router_bias_update_rate"] = run["bias_update_rate"]
+            model = resolve_model_config(ModelConfig(hf_path=str(hf_dir), **overrides))
             layout = {key: run.get(key, 1) for key in ("tp", "pp", "ep", "etp")}
             parallel = ParallelConfig(**layout)
             cfg = TrainConfig(model=model, parallel=parallel)

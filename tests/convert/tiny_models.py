@@ -3,11 +3,15 @@
 hidden 64, 2 layers, 4 heads / 2 key-value heads, head_dim 16, top-2 routing. Variants cover what
 the mapping must get right: dense first layers (Qwen3-MoE ``mlp_only_layers``), a vocabulary that
 tensor parallel must pad (Mixtral, 127), q/k/v bias and a gated shared expert without top-k
-renormalisation (Qwen2-MoE), tied embeddings (dense Qwen3).
+renormalisation (Qwen2-MoE), tied embeddings (dense Qwen3), and GLM-4.5-Air's published
+config.json with only its sizes scaled down (sigmoid router with a score-correction bias, an
+un-gated shared expert, a first dense layer, partial RoPE, q/k/v bias).
 
 Every parameter is redrawn (norm weights around 1, biases non-zero) so that a swapped or
 mis-sliced tensor changes the logits: transformers initialises norms to exactly 1 and biases to 0,
-which would hide a swapped ``input_layernorm`` / ``post_attention_layernorm``.
+which would hide a swapped ``input_layernorm`` / ``post_attention_layernorm``. GLM-4.5's
+correction bias (a buffer, zero in transformers' initialisation) is drawn too, large enough to
+change which experts are selected.
 """
 
 from __future__ import annotations
@@ -65,6 +69,70 @@ ARCHITECTURES = {
     ),
 }
 
+GLM_4_5_AIR_CONFIG = {  # huggingface.co/zai-org/GLM-4.5-Air, config.json
+    "architectures": ["Glm4MoeForCausalLM"],
+    "attention_bias": True,
+    "attention_dropout": 0.0,
+    "pad_token_id": 151329,
+    "eos_token_id": [151329, 151336, 151338],
+    "head_dim": 128,
+    "hidden_act": "silu",
+    "hidden_size": 4096,
+    "partial_rotary_factor": 0.5,
+    "initializer_range": 0.02,
+    "intermediate_size": 10944,
+    "max_position_embeddings": 131072,
+    "model_type": "glm4_moe",
+    "moe_intermediate_size": 1408,
+    "norm_topk_prob": True,
+    "num_attention_heads": 96,
+    "n_group": 1,
+    "topk_group": 1,
+    "n_routed_experts": 128,
+    "n_shared_experts": 1,
+    "routed_scaling_factor": 1.0,
+    "num_experts_per_tok": 8,
+    "first_k_dense_replace": 1,
+    "num_hidden_layers": 46,
+    "num_key_value_heads": 8,
+    "rms_norm_eps": 1e-05,
+    "rope_scaling": None,
+    "rope_theta": 1000000,
+    "num_nextn_predict_layers": 1,
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+    "transformers_version": "4.54.0",
+    "use_cache": True,
+    "use_qk_norm": False,
+    "vocab_size": 151552,
+}
+
+GLM_4_5_AIR_TINY_SIZES = dict(
+    {k: v for k, v in COMMON.items() if k != "rms_norm_eps"},
+    vocab_size=128,
+    intermediate_size=96,
+    moe_intermediate_size=32,
+    n_routed_experts=8,
+    num_experts_per_tok=2,
+    max_position_embeddings=256,
+    num_nextn_predict_layers=0,
+)
+"""GLM-4.5-Air scaled down: only sizes change (hidden, layers, heads, FFN widths, experts and
+top-k in the same 16:1 ratio, vocabulary); routing, bias, RoPE and norm settings are the
+published ones. No multi-token-prediction layer (it is not built on either side)."""
+
+
+def glm4_moe_tiny_config() -> dict:
+    """The config.json fields of the tiny GLM-4.5-Air."""
+    skip = ("architectures", "model_type", "transformers_version", "torch_dtype", "rope_scaling")
+    config = {k: v for k, v in GLM_4_5_AIR_CONFIG.items() if k not in skip}
+    config.update(GLM_4_5_AIR_TINY_SIZES)
+    config.update(pad_token_id=None, eos_token_id=None)
+    return config
+
+
+ARCHITECTURES["glm4_moe"] = ("Glm4MoeConfig", glm4_moe_tiny_config())
+
 SEQUENCE_LENGTH = 12
 BATCH_SIZE = 2
 
@@ -74,7 +142,7 @@ def build_hf_model(architecture: str, seed: int = 0):
     import transformers
 
     class_name, kwargs = ARCHITECTURES[architecture]
-    config = getattr(transformers, class_name)(**COMMON, **kwargs)
+    config = getattr(transformers, class_name)(**{**COMMON, **kwargs})
     config._attn_implementation = "eager"
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config).float().eval()
@@ -86,6 +154,9 @@ def build_hf_model(architecture: str, seed: int = 0):
                 param.copy_(1.0 + 0.3 * noise)
             else:
                 param.copy_(0.15 * noise)
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buffer.copy_(0.2 * torch.randn(buffer.shape, generator=generator))
     return model
 
 

@@ -30,7 +30,7 @@ warnings.filterwarnings("ignore")
 from megatron_gspo.config import TrainConfig, from_dict  # noqa: E402
 from megatron_gspo.engine.optimizer_state import sub_optimizers  # noqa: E402
 from megatron_gspo.engine.parallel import destroy_parallel  # noqa: E402
-from megatron_gspo.engine.sharding import gather_full_state  # noqa: E402
+from megatron_gspo.engine.sharding import gather_full_state, iter_global_parameters  # noqa: E402
 from megatron_gspo.engine.train_step import TrainEngine  # noqa: E402
 from megatron_gspo.samples import TrainSample  # noqa: E402
 
@@ -59,6 +59,24 @@ MODELS = {
     ),
     # Dense Qwen3 with tied embeddings (a tied copy on the last stage under pp).
     "dense": dict(architecture="qwen3", num_layers=2, tie_word_embeddings=True),
+    # GLM-4.5: a dense first layer, then sigmoid routing with a correction bias (set non-zero
+    # by set_expert_bias, updated by the step: aux-loss-free balancing from the token counts
+    # all-reduced over tp x cp x dp), top-1 of 2 groups, scaled top-2, an un-gated shared
+    # expert, partial RoPE, q/k/v bias.
+    "glm4": dict(
+        architecture="glm4_moe",
+        num_layers=2,
+        num_experts=8,
+        moe_router_topk=2,
+        first_k_dense_layers=1,
+        shared_expert_intermediate_size=48,
+        moe_router_num_groups=2,
+        moe_router_group_topk=1,
+        moe_router_topk_scaling_factor=2.5,
+        moe_router_bias_update_rate=1e-3,
+        rotary_percent=0.5,
+        add_qkv_bias=True,
+    ),
 }
 VARIANTS = {
     # The MoE case with a rollout correction (bounds that bind on make_samples' behaviour
@@ -150,12 +168,32 @@ def make_samples(seed: int = 0) -> list[TrainSample]:
     return samples
 
 
+def expert_biases(engine: TrainEngine) -> dict[str, torch.Tensor]:
+    """This rank's routers' correction biases (replicated buffers) by global name."""
+    return {
+        name: tensor.detach().clone()
+        for name, tensor, _ in iter_global_parameters(engine.model, buffers=True)
+        if name.endswith("expert_bias")
+    }
+
+
+def set_expert_bias(engine: TrainEngine) -> None:
+    """A correction bias of the order of the sigmoid scores' spread, the same in every layout
+    (a function of the global expert index), so that it changes which experts are selected."""
+    with torch.no_grad():
+        for name, tensor, _ in iter_global_parameters(engine.model, buffers=True):
+            if name.endswith("expert_bias"):
+                experts = torch.arange(tensor.numel(), dtype=torch.float32)
+                tensor.copy_(0.01 * torch.cos(3.0 * experts))
+
+
 def run_case(case: str, layout: str, micro_batch_tokens: int) -> dict:
     """One optimizer step; returns full tensors (this rank's parameters) and metrics."""
     if dist.is_initialized():
         destroy_parallel(destroy_process_group=False)
     cfg = make_config(case, layout, micro_batch_tokens)
     engine = TrainEngine(cfg)
+    set_expert_bias(engine)
     samples = make_samples()
     start = time.perf_counter()
     weights0 = gather_full_state(engine.model)
@@ -166,6 +204,7 @@ def run_case(case: str, layout: str, micro_batch_tokens: int) -> dict:
     log_probs = engine.forward_log_probs(samples).log_probs
     seconds = time.perf_counter() - start
     return dict(
+        expert_bias1=expert_biases(engine),
         precision=precision(engine),
         weights0=weights0,
         grads=grads,
@@ -226,6 +265,12 @@ def compare(result: dict, reference: dict, *, distributed_optimizer: bool) -> di
     report["log_probs_max_abs"] = max(
         (a - b).abs().max().item() for a, b in zip(result["log_probs"], reference["log_probs"])
     )
+    if result["expert_bias1"]:
+        # Updated from token counts summed over tp x cp x dp: bit for bit.
+        report["expert_bias_max_abs"] = max(
+            (tensor - reference["expert_bias1"][name]).abs().max().item()
+            for name, tensor in result["expert_bias1"].items()
+        )
     report["metrics"] = result["metrics"]
     report["metric_rel"] = {
         name: abs(value - reference["metrics"][name]) / max(abs(reference["metrics"][name]), 1e-8)
@@ -255,6 +300,7 @@ def reference_mode(cases: list[str], out: Path) -> None:
             cfg = make_config(case, "", tokens)
             cfg.model.moe_aux_loss_coef = 0.0
             engine = TrainEngine(cfg)
+            set_expert_bias(engine)
             metrics = engine.forward_backward(make_samples())
             grads[tokens] = (gather_full_state(engine.model, grads=True), metrics)
         (one, m1), (many, m4) = grads[10_000], grads[22]

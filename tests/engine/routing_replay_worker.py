@@ -26,7 +26,12 @@ import torch.distributed as dist  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from layout_worker import make_config, make_samples, relative_error  # noqa: E402
+from layout_worker import (  # noqa: E402
+    make_config,
+    make_samples,
+    relative_error,
+    set_expert_bias,
+)
 from worker_launch import run_checks  # noqa: E402
 
 from megatron_gspo.engine.parallel import destroy_parallel  # noqa: E402
@@ -48,7 +53,10 @@ def _config(mode: str, layout: str = "", micro_batch_tokens: int = 10_000, **ove
     recompute = "recompute" in layout.split(".")
     layout = ".".join(p for p in layout.split(".") if p != "recompute")
     cfg = make_config("moe", layout, micro_batch_tokens)
-    cfg.algo.routing_replay = mode
+    # r2w: R2 replaying the recorded combine weights with the ids (routing_replay_weights).
+    cfg.algo.routing_replay = "r2" if mode == "r2w" else mode
+    if mode == "r2w":
+        cfg.algo.routing_replay_weights = "replayed"
     cfg.model.recompute_activations = recompute
     for path, value in overrides.items():
         section, name = path.split("__")
@@ -131,6 +139,8 @@ def _prepare(engine: TrainEngine, samples: list[TrainSample], record: bool = Tru
         sample.old_log_probs = log_probs
         if record:
             sample.old_routes = old.routes[index]
+        if old.route_weights is not None:
+            sample.old_route_weights = old.route_weights[index]
 
 
 def rollout_samples(requests: list, results: list) -> list[TrainSample]:
@@ -479,6 +489,171 @@ def check_routes_not_consumed_exactly_once_raise() -> None:
     assert metrics["seq_log_ratio_abs_max"] >= 0.0
 
 
+# ---------------------------------------------------------------------------------------------
+# GLM-4.5: group-limited sigmoid routing with a correction bias, both weight modes of R2
+# ---------------------------------------------------------------------------------------------
+
+GLM4_ROUTER = "decoder.layers.1.mlp.router.weight"
+
+
+def _glm4_engine(weights: str, mode: str = "r2") -> TrainEngine:
+    """The layout test's GLM-4.5 case (layer 1 routes: 8 experts in 2 groups, top-1 group,
+    top-2 scaled by 2.5) with its non-zero correction bias."""
+    if dist.is_initialized():
+        destroy_parallel(destroy_process_group=False)
+    cfg = make_config("glm4", "", 10_000)
+    cfg.algo.routing_replay = mode
+    cfg.algo.routing_replay_weights = weights
+    engine = TrainEngine(cfg)
+    set_expert_bias(engine)
+    return engine
+
+
+def _glm4_router(engine: TrainEngine):
+    return engine.policy_chunks[0].decoder.layers[1].mlp.router
+
+
+@contextmanager
+def _router_inputs(engine: TrainEngine):
+    """The hidden states each call of the GLM-4.5 router sees (one micro-batch, no padding)."""
+    inputs = []
+    handle = _glm4_router(engine).register_forward_hook(
+        lambda module, args, output: inputs.append(args[0].detach().reshape(-1, args[0].shape[-1]))
+    )
+    try:
+        yield inputs
+    finally:
+        handle.remove()
+
+
+def glm4_reference(hidden: torch.Tensor, router) -> tuple[torch.Tensor, torch.Tensor]:
+    """Float64 GLM-4.5 routing from its definition (docs/glm4-moe.md, "Routing"): sorted ids
+    ``[T, 2]`` and their combine weights."""
+    scores = torch.sigmoid(hidden.double() @ router.weight.double().T)
+    choice = scores + router.expert_bias.double()
+    tokens, experts = choice.shape
+    groups = choice.view(tokens, 2, experts // 2).topk(2, dim=-1).values.sum(-1)
+    allowed = torch.zeros(tokens, 2, dtype=torch.bool)
+    allowed.scatter_(1, groups.topk(1, dim=-1).indices, True)
+    masked = choice.masked_fill(~allowed.repeat_interleave(experts // 2, dim=1), float("-inf"))
+    ids = masked.topk(2, dim=-1).indices.sort(-1).values
+    weights = scores.gather(1, ids)
+    return ids, weights / weights.sum(-1, keepdim=True) * 2.5
+
+
+def _by_sorted_ids(ids: torch.Tensor, weights: torch.Tensor):
+    order = ids.long().argsort(-1)
+    return ids.long().gather(1, order), weights.double().gather(1, order)
+
+
+def _perturb_glm4(engine: TrainEngine, *, router: bool, bias: bool) -> None:
+    generator = torch.Generator().manual_seed(5)
+    module = _glm4_router(engine)
+    with torch.no_grad():
+        if router:
+            noise = torch.randn(module.weight.shape, generator=generator)
+            module.weight.add_(0.5 * noise * module.weight.std())
+        if bias:
+            module.expert_bias.copy_(
+                0.05 * torch.randn(module.expert_bias.shape, generator=generator)
+            )
+
+
+def check_glm4_r2_replayed_weights_reproduce_the_old_forward() -> None:
+    """routing_replay_weights=replayed: the old-log-prob forward records, beside each token's
+    experts, the combine weights it gave them; both equal a float64 evaluation of GLM-4.5's
+    routing (biased group-limited selection; weights from the unbiased sigmoid, renormalised,
+    scaled). After perturbing the router and the bias, R2 replays ids and weights: the training
+    forward computes the old log-probs bit for bit (ratio exactly 1), the router gets no gradient
+    from the loss, and the metrics say the weights were replayed."""
+    engine = _glm4_engine("replayed")
+    samples = make_samples()
+    with _router_inputs(engine) as inputs:
+        _prepare(engine, samples)
+    ((hidden,),) = [inputs]
+    ids, weights = glm4_reference(hidden, _glm4_router(engine))
+    recorded_ids = torch.cat([s.old_routes[:, 0] for s in samples])
+    recorded = torch.cat([s.old_route_weights[:, 0] for s in samples])
+    recorded_ids, recorded = _by_sorted_ids(recorded_ids, recorded)
+    assert torch.equal(recorded_ids, ids), "recorded experts differ from the float64 routing"
+    error = (recorded - weights).abs().max().item()
+    assert error < 1e-6, error
+    _perturb_glm4(engine, router=True, bias=True)
+    metrics = engine.forward_backward(samples)
+    assert metrics["seq_log_ratio_abs_max"] == 0.0, metrics["seq_log_ratio_abs_max"]
+    assert metrics["routing_replay_weights_replayed"] == 1.0
+    assert metrics["routing_change_frac"] > 0.05, metrics["routing_change_frac"]
+    grads = gather_full_state(engine.model, grads=True)
+    assert float(grads[GLM4_ROUTER].abs().max()) == 0.0
+
+
+def check_glm4_r2_recomputed_weights_follow_the_router_not_the_bias() -> None:
+    """routing_replay_weights=recompute (the default): R2 replays the ids and takes their
+    weights from the current router. Moving only the correction bias, which selects experts but
+    never weighs them, leaves the replayed forward bit for bit unchanged, while routing natively
+    it changes the experts and the log-probs; moving the router changes the replayed forward's
+    weights (ratio != 1) and the router gets a gradient."""
+    engine = _glm4_engine("recompute")
+    samples = make_samples()
+    _prepare(engine, samples)
+    assert samples[0].old_route_weights is None  # nothing recorded that nobody replays
+    _perturb_glm4(engine, router=False, bias=True)
+    metrics = engine.forward_backward(samples)
+    assert metrics["seq_log_ratio_abs_max"] == 0.0, metrics["seq_log_ratio_abs_max"]
+    assert metrics["routing_replay_weights_replayed"] == 0.0
+    assert metrics["routing_change_frac"] > 0.05, metrics["routing_change_frac"]
+    native = engine.forward_log_probs(samples, record_routes=True)
+    moved = torch.cat(
+        [topk_sets_differ(n, s.old_routes).view(-1) for n, s in zip(native.routes, samples)]
+    )
+    assert moved.any()
+    gap = max((a - s.old_log_probs).abs().max().item() for a, s in zip(native.log_probs, samples))
+    assert gap > 1e-6, gap
+    _perturb_glm4(engine, router=True, bias=False)
+    metrics = engine.forward_backward(samples)
+    assert metrics["seq_log_ratio_abs_max"] > 1e-6, metrics["seq_log_ratio_abs_max"]
+    grads = gather_full_state(engine.model, grads=True)
+    assert float(grads[GLM4_ROUTER].abs().max()) > 0.0
+
+
+def check_glm4_r3_log_probs_match_the_embedded_engine() -> None:
+    """GLM-4.5 end to end in one process: the embedded engine, loaded with the trainer's weights
+    and correction bias (iter_hf_weights), samples with routes; R3 replays them and the
+    trainer's recomputed log-probs equal the engine's to fp32 tolerance, the training forward's
+    ratio is exactly 1 and it used the engine's experts everywhere."""
+    from megatron_gspo.engine.hf_import_export import iter_hf_weights
+    from megatron_gspo.rollout.embedded import EmbeddedEngine
+    from megatron_gspo.rollout.types import GenerateRequest
+
+    engine = _glm4_engine("recompute", mode="r3")
+    cfg = engine.cfg
+    rollout = EmbeddedEngine(cfg.model, seed=0)
+    rollout.sync_weights(iter_hf_weights(engine.policy_chunks, cfg), version=1)
+    bias = rollout.hf_model.model.layers[1].mlp.gate.e_score_correction_bias
+    assert torch.equal(bias, _glm4_router(engine).expert_bias) and bias.abs().max() > 0
+    requests = [
+        GenerateRequest(
+            input_ids=[(5 * i + 3 * j) % 60 + 1 for j in range(2 + i)],
+            max_new_tokens=6 + i,
+            temperature=cfg.rollout.temperature,
+            seed=100 + i,
+            return_routed_experts=True,
+        )
+        for i in range(4)
+    ]
+    samples = rollout_samples(requests, rollout.generate(requests))
+    rollout.close()
+    _prepare(engine, samples)
+    gap = max((s.old_log_probs - s.rollout_log_probs).abs().max().item() for s in samples)
+    assert gap < 2e-5, gap
+    moved = torch.cat([topk_sets_differ(s.old_routes, s.rollout_routes).view(-1) for s in samples])
+    assert float(moved.float().mean()) < 0.01, float(moved.float().mean())
+    metrics = engine.forward_backward(samples)
+    assert metrics["seq_log_ratio_abs_max"] == 0.0
+    assert metrics["routing_mismatch_vs_rollout"] == 0.0
+    assert metrics["routing_replay_weights_replayed"] == 0.0
+
+
 CHECKS = {name[len("check_") :]: fn for name, fn in globals().items() if name.startswith("check_")}
 
 
@@ -505,14 +680,22 @@ def run_layout(mode: str, layout: str) -> dict:
             sample.rollout_routes = route
     _prepare(engine, samples)
     recorded = [s.old_routes for s in samples]
+    recorded_weights = [s.old_route_weights for s in samples]
     log_probs = [s.old_log_probs for s in samples]
-    if mode == "r2":
+    if mode in ("r2", "r2w"):
         for sample, route in zip(samples, routes):
             sample.old_routes = route  # R2 replays the old routes: make them far from native
     metrics = engine.forward_backward(samples)
     grads = gather_full_state(engine.model, grads=True)
     single = engine.forward_backward(samples[:1])
-    return dict(recorded=recorded, log_probs=log_probs, metrics=metrics, grads=grads, single=single)
+    return dict(
+        recorded=recorded,
+        recorded_weights=recorded_weights,
+        log_probs=log_probs,
+        metrics=metrics,
+        grads=grads,
+        single=single,
+    )
 
 
 def compare_layout(result: dict, reference: dict) -> dict:
@@ -520,13 +703,22 @@ def compare_layout(result: dict, reference: dict) -> dict:
     report["recorded_equal"] = all(
         torch.equal(a, b) for a, b in zip(result["recorded"], reference["recorded"])
     )
+    if reference["recorded_weights"][0] is not None:
+        report["recorded_weights_max_abs"] = max(
+            (a - b).abs().max().item()
+            for a, b in zip(result["recorded_weights"], reference["recorded_weights"])
+        )
     report["log_probs_max_abs"] = max(
         (a - b).abs().max().item() for a, b in zip(result["log_probs"], reference["log_probs"])
     )
     report["grad_max_rel"] = max(
         relative_error(result["grads"][n], reference["grads"][n]) for n in result["grads"]
     )
-    names = [n for n in reference["metrics"] if n.startswith("routing_change") or n == "loss"]
+    names = [
+        n
+        for n in reference["metrics"]
+        if n.startswith(("routing_change", "routing_replay_weights")) or n == "loss"
+    ]
     report["metric_abs"] = {
         n: abs(result["metrics"].get(n, float("nan")) - reference["metrics"][n]) for n in names
     }

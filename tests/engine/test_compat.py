@@ -123,6 +123,30 @@ def test_transformer_config_per_architecture():
     # Virtual pipeline at pp=2: gloo pairs batched p2p messages wrongly (megatron-cpu.md).
     assert not dense.batch_p2p_comm and dense.overlap_p2p_comm
 
+    glm4 = transformer_config(
+        ModelConfig(
+            architecture="glm4_moe",
+            shared_expert_intermediate_size=48,
+            first_k_dense_layers=1,
+            moe_router_num_groups=2,
+            moe_router_group_topk=1,
+            moe_router_topk_scaling_factor=2.5,
+            rotary_percent=0.5,
+            add_qkv_bias=True,
+        ),
+        ParallelConfig(),
+    )
+    assert glm4.moe_router_score_function == "sigmoid" and glm4.moe_router_pre_softmax is False
+    assert glm4.moe_router_enable_expert_bias and glm4.moe_router_bias_update_rate == 0.0
+    assert (glm4.moe_router_num_groups, glm4.moe_router_group_topk) == (2, 1)
+    assert glm4.moe_router_topk_scaling_factor == 2.5
+    assert glm4.moe_shared_expert_intermediate_size == 48 and not glm4.moe_shared_expert_gate
+    assert glm4.moe_layer_freq == [0, 1] and glm4.add_qkv_bias
+    ungrouped = transformer_config(
+        ModelConfig(architecture="glm4_moe", shared_expert_intermediate_size=48), ParallelConfig()
+    )
+    assert ungrouped.moe_router_num_groups is None and ungrouped.moe_router_group_topk is None
+
     replay = transformer_config(ModelConfig(), ParallelConfig(), moe_enable_routing_replay=True)
     assert replay.moe_enable_routing_replay
 

@@ -4,7 +4,9 @@ One torchrun launch per world size runs several layouts one after the other (Meg
 rebuilt between them); ``layout_worker.py`` compares each with the one-process reference and
 writes its errors per rank. Model: tiny Qwen3-MoE (4 layers, hidden 64, 8 experts top-2, vocab
 64, load-balancing loss on), Qwen2-MoE (shared expert, q/k/v bias, dense first layer) and dense
-Qwen3 with tied embeddings; 8 samples of different lengths, two micro-batches in every layout.
+Qwen3 with tied embeddings, GLM-4.5 (``glm4``: sigmoid routing with a non-zero correction bias
+that the step updates from token counts all-reduced over tp x cp x dp, groups, scaling, shared
+expert, partial RoPE; in dp2, tp2, ep2 and pp2, the updated bias bit for bit); 8 samples of different lengths, two micro-batches in every layout.
 The MoE case also runs with each rollout correction (token TIS, token mask, geometric-mean
 sequence truncate and mask: the weights of sequences split by cp need the all-reduced mean) in
 dp2, cp2 and pp2, and with the CISPO and GMPO surrogates.
@@ -64,7 +66,7 @@ BF16_EXACT_METRIC_TOLERANCE = 1e-6
 CORRECTIONS = ("tis", "icepop", "geo_truncate", "geo_mask")
 """MoE cases with a rollout correction (layout_worker.VARIANTS), in dp2, cp2 and pp2."""
 SURROGATES = ("cispo", "gmpo")
-CASES = ("moe", "qwen2", "dense", *CORRECTIONS, *SURROGATES, "bf16")
+CASES = ("moe", "qwen2", "dense", "glm4", *CORRECTIONS, *SURROGATES, "bf16")
 
 LAUNCHES = {
     2: [
@@ -80,6 +82,7 @@ LAUNCHES = {
         "qwen2:pp2",
         "dense:pp2",
         "dense:cp2",
+        *(f"glm4:{layout}" for layout in ("dp2", "tp2", "ep2", "pp2")),
         *(f"{case}:{layout}" for case in CORRECTIONS for layout in ("dp2", "cp2", "pp2")),
         "cispo:cp2",
         "gmpo:cp2",
@@ -211,6 +214,8 @@ def _check_launch(world: int, reports: dict, reference_dir: Path) -> None:
             for name, error in report["metric_rel"].items():
                 assert error < TOLERANCE, (where, name, report["metrics"][name])
             assert report["metrics"]["skipped"] == 0.0
+            if "expert_bias_max_abs" in report:
+                assert report["expert_bias_max_abs"] == 0.0, where
         # Every parameter of the one-process model was compared somewhere.
         assert names == set(reference["grads"]), (run, set(reference["grads"]) ^ names)
 
@@ -229,3 +234,17 @@ def test_four_process_layouts(reference_dir):
 def test_eight_process_layout(reference_dir):
     """tp2 + pp2 + ep2 + cp2: every kind of parallelism at once."""
     _check_launch(8, _launch(8, reference_dir), reference_dir)
+
+
+def test_glm4_correction_bias_moved_in_the_reference(reference_dir):
+    """The layouts' bias comparison means something: the one-process step moved the non-zero
+    correction bias by exactly +-rate (1e-3) where experts were under- or over-loaded."""
+    import torch
+
+    reference = torch.load(reference_dir / "reference_glm4.pt", weights_only=False)
+    ((name, bias),) = reference["expert_bias1"].items()
+    assert name == "decoder.layers.1.mlp.router.expert_bias"
+    initial = 0.01 * torch.cos(3.0 * torch.arange(bias.numel(), dtype=torch.float32))
+    delta = (bias - initial).double()
+    assert (delta > 0).any() and (delta < 0).any()
+    torch.testing.assert_close(delta.abs(), torch.full_like(delta, 1e-3), rtol=0, atol=1e-6)

@@ -16,12 +16,21 @@ One process (``routing_replay_worker.py --checks``, a fresh process):
 * full activation recompute replays the same routes in the backward (same gradients);
 * the KL reference model never replays; Megatron's registry holds only the policy's instances;
 * missing / malformed routes, and routes not consumed exactly once, raise naming sample or layer.
+* GLM-4.5 (group-limited sigmoid routing with a non-zero correction bias): the recorded experts
+  and combine weights equal a float64 evaluation of the routing rule; R2 with
+  ``routing_replay_weights=replayed`` reproduces the old forward bit for bit after the router and
+  the bias moved (no router gradient), with ``recompute`` a bias-only move changes nothing under
+  replay (the bias selects, never weighs) while a router move changes the weights; the metric
+  ``routing_replay_weights_replayed`` says which; R3 with the embedded engine loaded with the
+  trainer's weights and bias gives the engine's log-probs to fp32 tolerance.
 
 Several processes (gloo): the old-log-prob forward (R2: record; R3: replay random routes and
 record), a training step replaying random routes and a one-sample step (filler micro-batches on
 the other data-parallel rank) in ep2 (R2), cp2 (R3), pp2 x vpp2 with full recompute (R2) and
 tp2 x ep2 x cp2 (R2) give the one-process recorded routes bit for bit, and its log-probs,
-gradients, loss and routing metrics.
+gradients, loss and routing metrics; R2 replaying the recorded combine weights too
+(``r2w``: ``routing_replay_weights=replayed``) in pp2 x vpp2 with full recompute (the weights
+queued for the backward recomputation beside the ids) gives its recorded weights and the rest.
 """
 
 from __future__ import annotations
@@ -45,9 +54,12 @@ CHECKS = [
     "reference_forward_never_replays",
     "missing_or_malformed_routes_are_rejected",
     "routes_not_consumed_exactly_once_raise",
+    "glm4_r2_replayed_weights_reproduce_the_old_forward",
+    "glm4_r2_recomputed_weights_follow_the_router_not_the_bias",
+    "glm4_r3_log_probs_match_the_embedded_engine",
 ]
 LAUNCHES = {
-    2: ["r2:ep2", "r3:cp2", "r2:pp2.vpp2.recompute"],
+    2: ["r2:ep2", "r3:cp2", "r2:pp2.vpp2.recompute", "r2w:pp2.vpp2.recompute"],
     4: ["r2:tp2.ep2.cp2"],
 }
 
@@ -81,7 +93,8 @@ def test_routing_replay(results, check):
 def reference_dir(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("routing_replay")
     run_worker(
-        [sys.executable, str(WORKER), "--out", str(out), "--reference", "r2", "r3"], timeout=300
+        [sys.executable, str(WORKER), "--out", str(out), "--reference", "r2", "r3", "r2w"],
+        timeout=300,
     )
     return out
 
@@ -89,7 +102,7 @@ def reference_dir(tmp_path_factory) -> Path:
 def _launch(world: int, reference_dir: Path) -> None:
     out = reference_dir / f"world{world}"
     out.mkdir(exist_ok=True)
-    for mode in ("r2", "r3"):
+    for mode in ("r2", "r3", "r2w"):
         link = out / f"reference_{mode}.pt"
         if not link.exists():
             link.symlink_to(reference_dir / f"reference_{mode}.pt")
@@ -104,6 +117,7 @@ def _launch(world: int, reference_dir: Path) -> None:
             # Gathered over tp (sequence parallel), cp, dp and pp: the same bits everywhere.
             assert report["recorded_equal"], where
             assert report["log_probs_max_abs"] < 1e-5, (where, report)
+            assert report.get("recorded_weights_max_abs", 0.0) < 1e-6, (where, report)
             assert report["grad_max_rel"] < 1e-5, (where, report)
             assert report["single_loss_rel"] < 1e-5, (where, report)
             for name, error in report["metric_abs"].items():

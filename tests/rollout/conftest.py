@@ -37,6 +37,19 @@ def tiny_model_config(architecture: str = "qwen3_moe", **overrides) -> ModelConf
         fields.update(
             shared_expert_intermediate_size=40, add_qkv_bias=True, moe_renormalize_topk=False
         )
+    if architecture == "glm4_moe":
+        # GLM-4.5's features away from their neutral values: a first dense layer, two shared
+        # experts, groups (top-1 of 2 groups of 2 experts), routed_scaling_factor, partial
+        # RoPE, q/k/v bias and q/k norm (GLM-4.5's use_qk_norm).
+        fields.update(
+            first_k_dense_layers=1,
+            shared_expert_intermediate_size=48,
+            moe_router_num_groups=2,
+            moe_router_group_topk=1,
+            moe_router_topk_scaling_factor=2.5,
+            rotary_percent=0.5,
+            add_qkv_bias=True,
+        )
     fields.update(overrides)
     return ModelConfig(**fields)
 
