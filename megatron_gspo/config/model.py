@@ -13,7 +13,11 @@ from megatron_gspo.config.schema import ConfigError, check_choice, check_positiv
 # Model
 # --------------------------------------------------------------------------------------------
 
-ARCHITECTURES = ("qwen3_moe", "mixtral", "qwen2_moe", "qwen3", "glm4_moe")
+ARCHITECTURES = ("qwen3_moe", "mixtral", "qwen2_moe", "qwen3", "glm4_moe", "deepseek_v3")
+
+SIGMOID_ROUTER_ARCHITECTURES = ("glm4_moe", "deepseek_v3")
+"""The architectures with GLM-4.5 / DeepSeek-V3's router: sigmoid scores, score-correction bias,
+group-limited top-k, routed scaling factor, un-gated shared experts."""
 
 GLM4_ONLY_FIELDS = {
     "moe_router_num_groups": 1,
@@ -22,8 +26,25 @@ GLM4_ONLY_FIELDS = {
     "moe_router_bias_update_rate": 0.0,
     "rotary_percent": 1.0,
 }
-"""The :class:`ModelConfig` fields only glm4_moe expresses, with the value every other
-architecture has (``convert.hf_config`` rejects any other value there)."""
+"""The :class:`ModelConfig` fields only the sigmoid-router architectures (glm4_moe, deepseek_v3)
+express, with the value every other architecture has (``convert.hf_config`` rejects any other
+value there; deepseek_v3 has no partial RoPE, so ``rotary_percent`` stays 1 there)."""
+
+MLA_FIELDS = {
+    "q_lora_rank": None,
+    "kv_lora_rank": 0,
+    "qk_nope_head_dim": 0,
+    "qk_rope_head_dim": 0,
+    "v_head_dim": 0,
+    "rope_scaling_factor": 1.0,
+    "rope_scaling_original_max_position_embeddings": 0,
+    "yarn_beta_fast": 32.0,
+    "yarn_beta_slow": 1.0,
+    "yarn_mscale": 1.0,
+    "yarn_mscale_all_dim": 0.0,
+}
+"""The multi-head latent attention and YaRN fields only deepseek_v3 expresses, with the value
+every other architecture has (``convert.hf_config`` rejects any other value there)."""
 
 
 @dataclass
@@ -33,7 +54,8 @@ class ModelConfig:
     architecture: str = "qwen3_moe"
     """One of qwen3_moe, mixtral, qwen2_moe (MoE with a gated shared expert), qwen3 (dense) or
     glm4_moe (GLM-4.5 / GLM-4.5-Air: sigmoid router with a score-correction bias, un-gated shared
-    experts, partial RoPE; docs/glm4-moe.md)."""
+    experts, partial RoPE; docs/glm4-moe.md) or deepseek_v3 (DeepSeek-V3 / R1 / Kimi-K2: the
+    GLM-4.5 router with multi-head latent attention and YaRN; docs/deepseek-v3.md)."""
     hf_path: Optional[str] = None
     """Start from this Hugging Face directory: architecture and sizes are read from its
     config.json (fields set here must agree) and each rank loads its own shards."""
@@ -95,6 +117,44 @@ class ModelConfig:
     rotary_percent: float = 1.0
     """Fraction of each head's channels that RoPE rotates, the first ones; the rest pass through
     (GLM-4.5 ``partial_rotary_factor`` 0.5; Megatron ``rotary_percent``). glm4_moe only."""
+    q_lora_rank: Optional[int] = None
+    """deepseek_v3 only: rank of the low-rank query projection of multi-head latent attention
+    (DeepSeek-V2, arXiv 2405.04434, section 2.1.2; HF ``q_lora_rank``: 1536 in DeepSeek-V3 and
+    R1; Megatron ``MLATransformerConfig.q_lora_rank``): ``q = W_up RMSNorm(W_down x)``. None:
+    one full-rank ``q_proj`` (DeepSeek-V2-Lite)."""
+    kv_lora_rank: int = 0
+    """deepseek_v3 only: width of the compressed key/value latent that MLA caches (HF
+    ``kv_lora_rank``: 512 in DeepSeek-V3; Megatron ``kv_lora_rank``), normalised by its own RMSNorm
+    (HF ``kv_a_layernorm``) before the per-head up projection. 0 on other architectures."""
+    qk_nope_head_dim: int = 0
+    """deepseek_v3 only: query/key channels per head without position encoding (HF
+    ``qk_nope_head_dim``: 128; Megatron ``qk_head_dim``)."""
+    qk_rope_head_dim: int = 0
+    """deepseek_v3 only: query/key channels per head that RoPE rotates, the key part shared by
+    all heads (HF ``qk_rope_head_dim``: 64; Megatron ``qk_pos_emb_head_dim``), stored in
+    DeepSeek's interleaved pair order, which both HF (``rope_interleave``) and Megatron's MLA
+    RoPE read (docs/deepseek-v3.md)."""
+    v_head_dim: int = 0
+    """deepseek_v3 only: value channels per head (HF ``v_head_dim``: 128; Megatron
+    ``v_head_dim``)."""
+    rope_scaling_factor: float = 1.0
+    """deepseek_v3 only: YaRN context-extension factor (arXiv 2309.00071; HF ``rope_scaling``
+    type yarn ``factor``: 40 in DeepSeek-V3; Megatron ``rotary_scaling_factor``). 1: plain RoPE."""
+    rope_scaling_original_max_position_embeddings: int = 0
+    """deepseek_v3 with YaRN: the pre-training context (HF ``original_max_position_embeddings``:
+    4096 in DeepSeek-V3; Megatron ``original_max_position_embeddings``)."""
+    yarn_beta_fast: float = 32.0
+    """deepseek_v3 with YaRN: the fast boundary of the frequency ramp (HF ``beta_fast``: 32)."""
+    yarn_beta_slow: float = 1.0
+    """deepseek_v3 with YaRN: the slow boundary of the frequency ramp (HF ``beta_slow``: 1)."""
+    yarn_mscale: float = 1.0
+    """deepseek_v3 with YaRN: HF ``rope_scaling.mscale`` (1.0 in DeepSeek-V3); with
+    ``yarn_mscale_all_dim`` it sets the cos/sin factor ``m(mscale) / m(mscale_all_dim)``, where
+    ``m(x) = 0.1 x ln(factor) + 1``."""
+    yarn_mscale_all_dim: float = 0.0
+    """deepseek_v3 with YaRN: HF ``rope_scaling.mscale_all_dim`` (1.0 in DeepSeek-V3): the
+    softmax scale is ``m(mscale_all_dim)^2 / sqrt(qk_nope_head_dim + qk_rope_head_dim)``
+    (Megatron ``mscale_all_dim``). 0: no softmax correction."""
     max_position_embeddings: int = 4096
     """Longest sequence (prompt + response) the rotary tables cover."""
     tie_word_embeddings: bool = False
@@ -165,12 +225,51 @@ class ModelConfig:
             )
         check_positive("model.moe_aux_loss_coef", self.moe_aux_loss_coef, allow_zero=True)
         self._check_glm4_fields()
+        self._check_mla_fields()
+
+    def _check_mla_fields(self) -> None:
+        """The ranges of the multi-head latent attention and YaRN fields of deepseek_v3 (their
+        neutral values elsewhere are checked in ``convert.hf_config``, as for glm4_moe)."""
+        if self.architecture != "deepseek_v3":
+            return
+        for name in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+            check_positive(f"model.{name}", getattr(self, name))
+        if self.q_lora_rank is not None:
+            check_positive("model.q_lora_rank", self.q_lora_rank)
+        if self.qk_rope_head_dim % 2:
+            raise ConfigError(
+                "model.qk_rope_head_dim",
+                f"{self.qk_rope_head_dim} is odd",
+                "RoPE rotates pairs of channels",
+                "set an even qk_rope_head_dim (DeepSeek-V3: 64)",
+            )
+        if self.num_query_groups != self.num_attention_heads:
+            raise ConfigError(
+                "model.num_query_groups",
+                f"{self.num_query_groups} != num_attention_heads={self.num_attention_heads}",
+                "multi-head latent attention up-projects one key and value per query head from "
+                "the shared latent (HF num_key_value_heads = num_attention_heads)",
+                "set num_query_groups = num_attention_heads",
+            )
+        if self.rope_scaling_factor < 1:
+            raise ConfigError(
+                "model.rope_scaling_factor",
+                f"{self.rope_scaling_factor} < 1",
+                "YaRN stretches the pre-training context by this factor; 1 is plain RoPE",
+                "set rope_scaling_factor >= 1",
+            )
+        if self.rope_scaling_factor > 1:
+            check_positive(
+                "model.rope_scaling_original_max_position_embeddings",
+                self.rope_scaling_original_max_position_embeddings,
+            )
 
     def _check_glm4_fields(self) -> None:
-        """The ranges of the router and RoPE fields of glm4_moe. (On another architecture they
-        must keep their neutral values; that is checked where the HF class is chosen,
-        ``convert.hf_config``, because a config with ``hf_path`` learns its architecture there.)"""
-        if self.architecture != "glm4_moe":
+        """The ranges of the router and RoPE fields of glm4_moe and deepseek_v3. (On another
+        architecture they must keep their neutral values; that is checked where the HF class is
+        chosen, ``convert.hf_config``, because a config with ``hf_path`` learns its architecture
+        there.)"""
+        if self.architecture not in SIGMOID_ROUTER_ARCHITECTURES:
             return
         check_positive("model.moe_router_num_groups", self.moe_router_num_groups)
         check_positive("model.moe_router_group_topk", self.moe_router_group_topk)

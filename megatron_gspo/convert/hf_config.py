@@ -33,6 +33,12 @@ Field correspondence (ours -> HF):
 ``rotary_percent``             ``partial_rotary_factor`` (GLM-4.5; in ``rope_parameters`` in HF 5)
 =============================  ==================================================================
 
+DeepSeek-V3 (``deepseek_v3``, ``docs/deepseek-v3.md``) reads GLM-4.5's router keys with the same
+code, plus its multi-head latent attention (``q_lora_rank``, ``kv_lora_rank``,
+``qk_nope_head_dim``, ``qk_rope_head_dim``, ``v_head_dim``: the :class:`ModelConfig` fields of the
+same names) and YaRN (``rope_scaling`` / ``rope_parameters`` type ``yarn``: ``rope_scaling_*`` and
+``yarn_*``); fp8 checkpoints (``quantization_config``) are refused.
+
 GLM-4.5's router always scores with a sigmoid and selects with its ``e_score_correction_bias``
 (``docs/glm4-moe.md``); its multi-token-prediction layers (``num_nextn_predict_layers``) are not
 built: their tensors are left unused on import and an export writes
@@ -52,7 +58,7 @@ from __future__ import annotations
 from typing import Any
 
 from megatron_gspo.config import ConfigError, ModelConfig
-from megatron_gspo.config.model import GLM4_ONLY_FIELDS
+from megatron_gspo.config.model import GLM4_ONLY_FIELDS, MLA_FIELDS, SIGMOID_ROUTER_ARCHITECTURES
 
 HF_ARCHITECTURE_CLASS = {
     "qwen3_moe": "Qwen3MoeForCausalLM",
@@ -60,6 +66,7 @@ HF_ARCHITECTURE_CLASS = {
     "qwen2_moe": "Qwen2MoeForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "glm4_moe": "Glm4MoeForCausalLM",
+    "deepseek_v3": "DeepseekV3ForCausalLM",
 }
 """``transformers`` causal-LM class of each of our architectures."""
 
@@ -111,30 +118,68 @@ def _check_representable(model: ModelConfig) -> None:
             "Megatron model (add_qkv_bias) does not have",
             "set model.add_qkv_bias=false, or use architecture=qwen2_moe for q/k/v bias",
         )
-    if arch not in ("qwen2_moe", "glm4_moe") and model.shared_expert_intermediate_size:
+    if arch not in ("qwen2_moe", *SIGMOID_ROUTER_ARCHITECTURES) and (
+        model.shared_expert_intermediate_size
+    ):
         raise ConfigError(
             "model.shared_expert_intermediate_size",
             f"a shared expert on {arch}",
             "only the Qwen2-MoE (gated) and GLM-4.5 (un-gated) HF classes have a shared expert",
             "set model.shared_expert_intermediate_size=0 or use architecture=qwen2_moe",
         )
-    if arch != "glm4_moe":
+    if arch != "deepseek_v3":
+        for name, neutral in MLA_FIELDS.items():
+            if getattr(model, name) != neutral:
+                raise ConfigError(
+                    f"model.{name}",
+                    f"{getattr(model, name)!r} on {arch}",
+                    "only DeepSeek-V3 has multi-head latent attention and YaRN here; the "
+                    f"{HF_ARCHITECTURE_CLASS[arch]} class would ignore it",
+                    f"set model.{name}={neutral!r} or use architecture=deepseek_v3",
+                )
+    if arch == "deepseek_v3":
+        for name in ("qk_layernorm", "add_qkv_bias"):
+            if getattr(model, name):
+                raise ConfigError(
+                    f"model.{name}",
+                    f"deepseek_v3 with {name}",
+                    "DeepSeek-V3's attention has latent norms instead of q/k norms, and its "
+                    "attention_bias would also bias the down projections and o_proj",
+                    f"set model.{name}=false",
+                )
+        if model.rotary_percent != 1.0:
+            raise ConfigError(
+                "model.rotary_percent",
+                f"{model.rotary_percent} on deepseek_v3",
+                "MLA rotates its own qk_rope_head_dim channels, all of them",
+                "set model.rotary_percent=1.0 and size the rotary part with qk_rope_head_dim",
+            )
+        if model.head_dim != model.qk_rope_head_dim:
+            raise ConfigError(
+                "model.head_dim",
+                f"{model.head_dim} != qk_rope_head_dim={model.qk_rope_head_dim}",
+                "DeepseekV3Config sets head_dim = qk_rope_head_dim (the width of its rotary "
+                "tables); the MLA head widths are qk_nope_head_dim, qk_rope_head_dim, v_head_dim",
+                f"set model.head_dim={model.qk_rope_head_dim}",
+            )
+    if arch not in SIGMOID_ROUTER_ARCHITECTURES:
         for name, neutral in GLM4_ONLY_FIELDS.items():
             if getattr(model, name) != neutral:
                 raise ConfigError(
                     f"model.{name}",
                     f"{getattr(model, name)!r} on {arch}",
-                    f"only GLM-4.5 has this feature; the {HF_ARCHITECTURE_CLASS[arch]} class "
-                    "would ignore it, so the rollout engine would compute another network",
+                    f"only GLM-4.5 and DeepSeek-V3 have this feature; the "
+                    f"{HF_ARCHITECTURE_CLASS[arch]} class would ignore it, so the rollout engine "
+                    "would compute another network",
                     f"set model.{name}={neutral!r} or use architecture=glm4_moe",
                 )
-    if arch == "glm4_moe":
+    if arch in SIGMOID_ROUTER_ARCHITECTURES:
         shared, expert = model.shared_expert_intermediate_size, model.moe_ffn_hidden_size
         if shared <= 0 or shared % expert:
             raise ConfigError(
                 "model.shared_expert_intermediate_size",
                 f"{shared} is not a positive multiple of moe_ffn_hidden_size={expert}",
-                "the GLM-4.5 HF class sizes its shared expert as moe_intermediate_size * "
+                "the GLM-4.5 and DeepSeek-V3 HF classes size their shared experts as moe_intermediate_size * "
                 "n_shared_experts",
                 f"set model.shared_expert_intermediate_size to n * {expert} with n >= 1",
             )
@@ -165,6 +210,31 @@ def hf_config_kwargs(model: ModelConfig) -> dict[str, Any]:
         "architectures": [HF_ARCHITECTURE_CLASS[model.architecture]],
     }
     arch = model.architecture
+    if arch == "deepseek_v3":
+        del kwargs["use_sliding_window"]
+        kwargs.update(
+            num_experts_per_tok=model.moe_router_topk,
+            output_router_logits=False,
+            moe_intermediate_size=model.moe_ffn_hidden_size,
+            n_routed_experts=model.num_experts,
+            n_shared_experts=model.shared_expert_intermediate_size // model.moe_ffn_hidden_size,
+            norm_topk_prob=model.moe_renormalize_topk,
+            first_k_dense_replace=model.first_k_dense_layers,
+            n_group=model.moe_router_num_groups,
+            topk_group=model.moe_router_group_topk,
+            routed_scaling_factor=model.moe_router_topk_scaling_factor,
+            attention_bias=False,
+            q_lora_rank=model.q_lora_rank,
+            kv_lora_rank=model.kv_lora_rank,
+            qk_nope_head_dim=model.qk_nope_head_dim,
+            qk_rope_head_dim=model.qk_rope_head_dim,
+            v_head_dim=model.v_head_dim,
+            rope_interleave=True,
+            rope_parameters=rope_parameters_of(model),
+            # The multi-token-prediction layers are not built (docs/deepseek-v3.md).
+            num_nextn_predict_layers=0,
+        )
+        return kwargs
     if arch == "glm4_moe":
         del kwargs["use_sliding_window"]
         kwargs.update(
@@ -218,6 +288,23 @@ def hf_config_kwargs(model: ModelConfig) -> dict[str, Any]:
     return kwargs
 
 
+def rope_parameters_of(model: ModelConfig) -> dict[str, Any]:
+    """HF 5's ``rope_parameters`` of ``model``: plain RoPE, or YaRN (deepseek_v3,
+    ``rope_scaling_factor > 1``) with every parameter spelled out."""
+    if model.rope_scaling_factor == 1.0:
+        return {"rope_type": "default", "rope_theta": model.rope_theta}
+    return {
+        "rope_type": "yarn",
+        "rope_theta": model.rope_theta,
+        "factor": model.rope_scaling_factor,
+        "original_max_position_embeddings": model.rope_scaling_original_max_position_embeddings,
+        "beta_fast": model.yarn_beta_fast,
+        "beta_slow": model.yarn_beta_slow,
+        "mscale": model.yarn_mscale,
+        "mscale_all_dim": model.yarn_mscale_all_dim,
+    }
+
+
 def hf_config_from_model_config(model: ModelConfig):
     """The ``transformers`` config object (``Qwen3MoeConfig``, ``MixtralConfig``, ...) of ``model``.
 
@@ -233,6 +320,7 @@ def hf_config_from_model_config(model: ModelConfig):
         "qwen2_moe": "Qwen2MoeConfig",
         "qwen3": "Qwen3Config",
         "glm4_moe": "Glm4MoeConfig",
+        "deepseek_v3": "DeepseekV3Config",
     }[model.architecture]
     config = getattr(transformers, config_class_name)(**kwargs)
     config.rope_theta = model.rope_theta
@@ -246,6 +334,20 @@ def hf_config_from_model_config(model: ModelConfig):
 _TRAINING_ONLY_KEYS = ("router_aux_loss_coef", "output_router_logits", "initializer_range")
 """Keys of :func:`hf_config_kwargs` that describe training, not the network: an export keeps the
 original checkpoint's values of these."""
+
+
+_YARN_KEYS = (
+    "factor",
+    "original_max_position_embeddings",
+    "beta_fast",
+    "beta_slow",
+    "mscale",
+    "mscale_all_dim",
+    "attention_factor",
+    "truncate",
+    "type",
+)
+"""The ``rope_parameters`` keys of a RoPE scaling, dropped when plain RoPE is written."""
 
 
 def hf_config_dict(
@@ -275,7 +377,9 @@ def hf_config_dict(
         config.update({k: v for k, v in kwargs.items() if k not in _TRAINING_ONLY_KEYS})
     config["model_type"] = model.architecture
     config["rope_theta"] = model.rope_theta
-    rope_parameters = dict(config.get("rope_parameters") or {})
+    rope_parameters = {
+        k: v for k, v in (config.get("rope_parameters") or {}).items() if k not in _YARN_KEYS
+    }
     rope_parameters.update(rope_type="default", rope_theta=model.rope_theta)
     if model.architecture == "glm4_moe":
         # transformers 5 reads it from rope_parameters, 4.x from the top level; a config
@@ -283,8 +387,13 @@ def hf_config_dict(
         rope_parameters["partial_rotary_factor"] = config["partial_rotary_factor"] = (
             model.rotary_percent
         )
-    config["rope_parameters"] = rope_parameters
     config.pop("rope_scaling", None)
+    if model.rope_scaling_factor != 1.0:
+        # YaRN (deepseek_v3): HF 5 reads rope_parameters, 4.x the legacy rope_scaling.
+        rope_parameters = rope_parameters_of(model)
+        legacy = {k: v for k, v in rope_parameters.items() if k not in ("rope_type", "rope_theta")}
+        config["rope_scaling"] = {**legacy, "type": "yarn", "rope_type": "yarn"}
+    config["rope_parameters"] = rope_parameters
     if model.is_moe:
         config["num_experts"] = config["num_local_experts"] = model.num_experts
     dtype = dtype or model.dtype
@@ -296,12 +405,14 @@ def _hf_rope_theta(config: Any, model_type: str) -> float:
     rope_parameters = getattr(config, "rope_parameters", None) or {}
     rope_scaling = getattr(config, "rope_scaling", None) or {}
     rope_type = rope_parameters.get("rope_type") or rope_scaling.get("rope_type") or "default"
-    if rope_type != "default" or rope_scaling.get("type") not in (None, "default"):
+    legacy_type = rope_scaling.get("type") or rope_type
+    yarn_ok = model_type == "deepseek_v3" and rope_type == legacy_type == "yarn"
+    if not yarn_ok and (rope_type != "default" or legacy_type != "default"):
         raise ConfigError(
             "model.hf_path",
             f"the {model_type} config uses RoPE scaling {rope_type!r}",
-            "the Megatron model is built with plain RoPE, so positions would be encoded "
-            "differently from the HF model",
+            "the Megatron model is built with plain RoPE (YaRN on deepseek_v3 only), so "
+            "positions would be encoded differently from the HF model",
             "remove rope_scaling from config.json (plain RoPE) or use a checkpoint without it",
         )
     theta = rope_parameters.get("rope_theta", getattr(config, "rope_theta", None))
@@ -332,7 +443,7 @@ def model_config_fields_from_hf(config_json: dict[str, Any]) -> dict[str, Any]:
             "model.hf_path",
             f"config.json has model_type={model_type!r}",
             "a weight mapping exists only for " + ", ".join(HF_ARCHITECTURE_CLASS),
-            "use a Qwen3-MoE, Mixtral, Qwen2-MoE, Qwen3 or GLM-4.5 checkpoint",
+            "use a Qwen3-MoE, Mixtral, Qwen2-MoE, Qwen3, GLM-4.5 or DeepSeek-V3 checkpoint",
         )
     config_class = transformers.CONFIG_MAPPING[model_type]
     config = config_class(
@@ -384,6 +495,8 @@ def model_config_fields_from_hf(config_json: dict[str, Any]) -> dict[str, Any]:
     fields["moe_router_topk"] = config.num_experts_per_tok
     if model_type == "glm4_moe":
         return _glm4_moe_fields(config, fields)
+    if model_type == "deepseek_v3":
+        return _deepseek_v3_fields(config, config_json, fields)
     if model_type == "mixtral":
         fields.update(
             num_experts=config.num_local_experts,
@@ -418,13 +531,9 @@ def model_config_fields_from_hf(config_json: dict[str, Any]) -> dict[str, Any]:
     return fields
 
 
-def _glm4_moe_fields(config: Any, fields: dict[str, Any]) -> dict[str, Any]:
-    """The GLM-4.5 part of :func:`model_config_fields_from_hf` (``config``: a Glm4MoeConfig)."""
-    rope_parameters = getattr(config, "rope_parameters", None) or {}
-    # The Glm4MoeConfig default, as transformers applies it to a config.json without the key.
-    rotary_percent = rope_parameters.get(
-        "partial_rotary_factor", getattr(config, "partial_rotary_factor", 0.5)
-    )
+def _sigmoid_router_fields(config: Any, fields: dict[str, Any]) -> dict[str, Any]:
+    """The router and MLP fields GLM-4.5 and DeepSeek-V3 share (``config``: a Glm4MoeConfig or a
+    DeepseekV3Config)."""
     fields.update(
         num_experts=config.n_routed_experts,
         moe_ffn_hidden_size=config.moe_intermediate_size,
@@ -435,10 +544,109 @@ def _glm4_moe_fields(config: Any, fields: dict[str, Any]) -> dict[str, Any]:
         moe_router_num_groups=config.n_group,
         moe_router_group_topk=config.topk_group,
         moe_router_topk_scaling_factor=float(config.routed_scaling_factor),
+    )
+    return fields
+
+
+def _glm4_moe_fields(config: Any, fields: dict[str, Any]) -> dict[str, Any]:
+    """The GLM-4.5 part of :func:`model_config_fields_from_hf` (``config``: a Glm4MoeConfig)."""
+    rope_parameters = getattr(config, "rope_parameters", None) or {}
+    # The Glm4MoeConfig default, as transformers applies it to a config.json without the key.
+    rotary_percent = rope_parameters.get(
+        "partial_rotary_factor", getattr(config, "partial_rotary_factor", 0.5)
+    )
+    _sigmoid_router_fields(config, fields)
+    fields.update(
         qk_layernorm=bool(config.use_qk_norm),
         add_qkv_bias=bool(config.attention_bias),
         rotary_percent=float(rotary_percent),
     )
+    return fields
+
+
+def _deepseek_v3_fields(
+    config: Any, config_json: dict[str, Any], fields: dict[str, Any]
+) -> dict[str, Any]:
+    """The DeepSeek-V3 part of :func:`model_config_fields_from_hf` (``config``: a
+    DeepseekV3Config). The router is GLM-4.5's (``_glm4_moe_fields``); the attention is MLA."""
+
+    def unsupported(key: str, what: str, why: str, fix: str) -> ConfigError:
+        return ConfigError("model.hf_path", f"config.json {key}: {what}", why, fix)
+
+    if config_json.get("quantization_config"):
+        method = config_json["quantization_config"].get("quant_method")
+        raise unsupported(
+            "quantization_config",
+            f"{method!r} quantized weights (DeepSeek-V3's published checkpoint is fp8 with "
+            "128x128 block scales, weight_scale_inv)",
+            "the loader reads plain bf16/fp32 tensors; fp8 ones with their scales would be "
+            "loaded as numbers of another scale",
+            "dequantize the checkpoint to bf16 first (DeepSeek's fp8_cast_bf16.py) and drop "
+            "quantization_config",
+        )
+    for key, expected in (("scoring_func", "sigmoid"), ("topk_method", "noaux_tc")):
+        if config_json.get(key, expected) != expected:
+            raise unsupported(
+                key,
+                repr(config_json[key]),
+                f"transformers' DeepseekV3 router is the {expected} one whatever this key says, "
+                "and so is the Megatron model",
+                f"use a DeepSeek-V3-style checkpoint ({key}={expected!r})",
+            )
+    if getattr(config, "rope_interleave", True) is not True:
+        raise unsupported(
+            "rope_interleave",
+            "false",
+            "Megatron's MLA RoPE always reads the rotary channels in DeepSeek's interleaved pair "
+            "order (rope_interleave=true, the published checkpoints' layout)",
+            "use a checkpoint with rope_interleave=true",
+        )
+    if getattr(config, "attention_bias", False):
+        raise unsupported(
+            "attention_bias",
+            "true (bias on q_a_proj, kv_a_proj_with_mqa and o_proj)",
+            "the Megatron MLA layers are built without biases",
+            "use a model without attention bias",
+        )
+    if getattr(config, "moe_layer_freq", 1) != 1:
+        raise unsupported(
+            "moe_layer_freq",
+            repr(config.moe_layer_freq),
+            "transformers' DeepseekV3 makes every layer after first_k_dense_replace an MoE one",
+            "use moe_layer_freq=1",
+        )
+    _sigmoid_router_fields(config, fields)
+    fields["qk_layernorm"] = fields["add_qkv_bias"] = False
+    rope = dict(getattr(config, "rope_parameters", None) or {})
+    rope.update(getattr(config, "rope_scaling", None) or {})
+    fields.update(
+        num_query_groups=config.num_attention_heads,
+        head_dim=config.qk_rope_head_dim,
+        q_lora_rank=config.q_lora_rank,
+        kv_lora_rank=config.kv_lora_rank,
+        qk_nope_head_dim=config.qk_nope_head_dim,
+        qk_rope_head_dim=config.qk_rope_head_dim,
+        v_head_dim=config.v_head_dim,
+    )
+    if getattr(config, "num_key_value_heads", None) not in (None, config.num_attention_heads):
+        raise unsupported(
+            "num_key_value_heads",
+            f"{config.num_key_value_heads} != num_attention_heads",
+            "MLA up-projects one key and value per head; transformers' DeepseekV3 would repeat "
+            "them in groups, which the Megatron MLA layer does not",
+            "set num_key_value_heads = num_attention_heads",
+        )
+    if rope.get("rope_type", rope.get("type")) == "yarn":
+        fields.update(
+            rope_scaling_factor=float(rope["factor"]),
+            rope_scaling_original_max_position_embeddings=int(
+                rope["original_max_position_embeddings"]
+            ),
+            yarn_beta_fast=float(rope.get("beta_fast", 32.0)),
+            yarn_beta_slow=float(rope.get("beta_slow", 1.0)),
+            yarn_mscale=float(rope.get("mscale", 1.0)),
+            yarn_mscale_all_dim=float(rope.get("mscale_all_dim", 0.0)),
+        )
     return fields
 
 

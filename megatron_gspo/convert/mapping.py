@@ -31,6 +31,12 @@ Tensor rules (``H`` query heads, ``G`` key/value groups, ``d`` head_dim, ``h`` h
 * GLM-4.5's score-correction bias: Megatron's router buffer ``mlp.router.expert_bias`` ``[E]``
   (float32) is HF's ``mlp.gate.e_score_correction_bias`` buffer; a buffer, not a trained weight,
   converted like one because both checkpoints store it (``docs/glm4-moe.md``).
+* DeepSeek-V3's multi-head latent attention: ``q_proj`` / ``q_a_proj``, ``q_a_layernorm``,
+  ``q_b_proj``, ``kv_a_proj_with_mqa``, ``kv_a_layernorm``, ``kv_b_proj`` are Megatron's
+  ``linear_q_proj`` / ``linear_q_down_proj``, ``q_layernorm``, ``linear_q_up_proj``,
+  ``linear_kv_down_proj``, ``kv_layernorm``, ``linear_kv_up_proj``, all copies: the rotary rows
+  stay in DeepSeek's interleaved pair order, which Megatron's MLA RoPE reads as HF's does
+  (``docs/deepseek-v3.md``).
 * everything else is a copy.
 """
 
@@ -71,6 +77,14 @@ _LAYER_PATTERNS: tuple[tuple[re.Pattern, str], ...] = tuple(
         (r"self_attention\.linear_proj\.weight", "proj"),
         (r"self_attention\.q_layernorm\.weight", "q_norm"),
         (r"self_attention\.k_layernorm\.weight", "k_norm"),
+        (r"self_attention\.linear_q_proj\.weight", "mla_q_proj"),
+        (r"self_attention\.linear_q_down_proj\.weight", "mla_q_down"),
+        (r"self_attention\.linear_q_up_proj\.weight", "mla_q_up"),
+        (r"self_attention\.linear_q_up_proj\.layer_norm_weight", "q_norm"),
+        (r"self_attention\.linear_kv_down_proj\.weight", "mla_kv_down"),
+        (r"self_attention\.linear_kv_up_proj\.weight", "mla_kv_up"),
+        (r"self_attention\.linear_kv_up_proj\.layer_norm_weight", "kv_norm"),
+        (r"self_attention\.kv_layernorm\.weight", "kv_norm"),
         (r"pre_mlp_layernorm\.weight", "post_attn_norm"),
         (r"mlp\.linear_fc1\.layer_norm_weight", "post_attn_norm"),
         (r"mlp\.linear_fc1\.weight", "dense_fc1"),
@@ -125,12 +139,14 @@ def parse_megatron_name(global_name: str) -> ParamKey:
         )
     raise ConversionError(
         f"no HF mapping for the Megatron parameter {global_name!r}: it is not a parameter of the "
-        f"supported GPT architectures (Qwen3-MoE, Mixtral, Qwen2-MoE, Qwen3, GLM-4.5).{hint}"
+        f"supported GPT architectures (Qwen3-MoE, Mixtral, Qwen2-MoE, Qwen3, GLM-4.5, DeepSeek-V3).{hint}"
     )
 
 
-def megatron_name(key: ParamKey, *, style: str = "local") -> str:
-    """The one-process Megatron name of ``key`` in the ``local`` or ``te`` spelling."""
+def megatron_name(key: ParamKey, *, style: str = "local", mla: bool = False) -> str:
+    """The one-process Megatron name of ``key`` in the ``local`` or ``te`` spelling. ``mla``: the
+    model has multi-head latent attention, whose query norm (``q_norm``, on the q latent) TE fuses
+    into ``linear_q_up_proj``."""
     if style not in ("local", "te"):
         raise ValueError(f"style must be 'local' or 'te', not {style!r}")
     for name, kind in _TOP_LEVEL.items():
@@ -144,8 +160,22 @@ def megatron_name(key: ParamKey, *, style: str = "local") -> str:
         "qkv_weight": "self_attention.linear_qkv.weight",
         "qkv_bias": "self_attention.linear_qkv.bias",
         "proj": "self_attention.linear_proj.weight",
-        "q_norm": "self_attention.q_layernorm.weight",
+        "q_norm": (
+            "self_attention.linear_q_up_proj.layer_norm_weight"
+            if te and mla
+            else "self_attention.q_layernorm.weight"
+        ),
         "k_norm": "self_attention.k_layernorm.weight",
+        "kv_norm": (
+            "self_attention.linear_kv_up_proj.layer_norm_weight"
+            if te
+            else "self_attention.kv_layernorm.weight"
+        ),
+        "mla_q_proj": "self_attention.linear_q_proj.weight",
+        "mla_q_down": "self_attention.linear_q_down_proj.weight",
+        "mla_q_up": "self_attention.linear_q_up_proj.weight",
+        "mla_kv_down": "self_attention.linear_kv_down_proj.weight",
+        "mla_kv_up": "self_attention.linear_kv_up_proj.weight",
         # TE fuses the pre-MLP norm into fc1 only for dense MLPs; MoE layers keep their own.
         "post_attn_norm": "pre_mlp_layernorm.weight",
         "dense_fc1": "mlp.linear_fc1.weight",
@@ -210,12 +240,26 @@ _SHARED_EXPERT = {
     "shared_gate": ("mlp.shared_expert_gate.weight",),
 }
 
+_MLA = {
+    "input_norm": ("input_layernorm.weight",),
+    "mla_q_proj": ("self_attn.q_proj.weight",),
+    "mla_q_down": ("self_attn.q_a_proj.weight",),
+    "q_norm": ("self_attn.q_a_layernorm.weight",),
+    "mla_q_up": ("self_attn.q_b_proj.weight",),
+    "mla_kv_down": ("self_attn.kv_a_proj_with_mqa.weight",),
+    "kv_norm": ("self_attn.kv_a_layernorm.weight",),
+    "mla_kv_up": ("self_attn.kv_b_proj.weight",),
+    "proj": ("self_attn.o_proj.weight",),
+    "post_attn_norm": ("post_attention_layernorm.weight",),
+}
+
 LAYER_TABLES: dict[str, dict[str, tuple[str, ...]]] = {
     "qwen3_moe": {**_ATTENTION, **_QK_NORM, **_DENSE_MLP, **_QWEN_EXPERTS},
     "mixtral": {**_ATTENTION, **_MIXTRAL_EXPERTS},
     "qwen2_moe": {**_ATTENTION, **_DENSE_MLP, **_QWEN_EXPERTS, **_SHARED_EXPERT},
     "qwen3": {**_ATTENTION, **_QK_NORM, **_DENSE_MLP},
     "glm4_moe": {**_ATTENTION, **_QK_NORM, **_DENSE_MLP, **_GLM4_EXPERTS},
+    "deepseek_v3": {**_MLA, **_DENSE_MLP, **_GLM4_EXPERTS},
 }
 """HF on-disk names of each decoder-layer parameter kind, per architecture."""
 
@@ -340,6 +384,20 @@ def _expected_shape(key: ParamKey, model: ModelConfig) -> tuple[int, ...]:
     """Full shape of a Megatron parameter (vocabulary rows unpadded: ``V = model.vocab_size``)."""
     hidden, d = model.hidden_size, model.head_dim
     heads, groups = model.num_attention_heads, model.num_query_groups
+    if model.architecture == "deepseek_v3":
+        qk_head = model.qk_nope_head_dim + model.qk_rope_head_dim
+        mla = {
+            "mla_q_proj": (heads * qk_head, hidden),
+            "mla_q_down": (model.q_lora_rank, hidden),
+            "q_norm": (model.q_lora_rank,),
+            "mla_q_up": (heads * qk_head, model.q_lora_rank),
+            "mla_kv_down": (model.kv_lora_rank + model.qk_rope_head_dim, hidden),
+            "kv_norm": (model.kv_lora_rank,),
+            "mla_kv_up": (heads * (model.qk_nope_head_dim + model.v_head_dim), model.kv_lora_rank),
+            "proj": (hidden, heads * model.v_head_dim),
+        }
+        if key.kind in mla:
+            return mla[key.kind]
     return {
         "embedding": (model.vocab_size, hidden),
         "output": (model.vocab_size, hidden),
@@ -490,9 +548,17 @@ def megatron_parameter_shapes(
     keys: list[ParamKey] = [ParamKey("embedding")]
     table = LAYER_TABLES[model.architecture]
     for layer in range(model.num_layers):
-        kinds = ["input_norm", "qkv_weight"]
-        kinds += ["qkv_bias"] if model.add_qkv_bias else []
-        kinds += ["q_norm", "k_norm"] if model.qk_layernorm else []
+        if model.architecture == "deepseek_v3":
+            kinds = ["input_norm"]
+            if model.q_lora_rank is None:
+                kinds += ["mla_q_proj"]
+            else:
+                kinds += ["mla_q_down", "q_norm", "mla_q_up"]
+            kinds += ["mla_kv_down", "kv_norm", "mla_kv_up"]
+        else:
+            kinds = ["input_norm", "qkv_weight"]
+            kinds += ["qkv_bias"] if model.add_qkv_bias else []
+            kinds += ["q_norm", "k_norm"] if model.qk_layernorm else []
         kinds += ["proj", "post_attn_norm"]
         if layer not in model.moe_layer_indices:
             kinds += ["dense_fc1", "dense_fc2"]
@@ -520,7 +586,7 @@ def megatron_parameter_shapes(
         shape = _expected_shape(key, model)
         if key.kind in ("embedding", "output"):
             shape = (vocab, *shape[1:])
-        shapes[megatron_name(key, style=style)] = shape
+        shapes[megatron_name(key, style=style, mla=model.architecture == "deepseek_v3")] = shape
     return shapes
 
 

@@ -83,6 +83,8 @@ class PackedCoreAttention(MegatronModule):
         attention_type: str,
         attention_dropout: Optional[float] = None,
         softmax_scale: Optional[float] = None,
+        k_channels: Optional[int] = None,
+        v_channels: Optional[int] = None,
         cp_comm_type: Optional[str] = None,
         pg_collection: Any = None,
     ):
@@ -95,7 +97,9 @@ class PackedCoreAttention(MegatronModule):
             )
         if config.softmax_type != "vanilla" or config.window_size is not None:
             raise ValueError("PackedCoreAttention supports vanilla softmax without sliding window")
-        head_dim = config.kv_channels
+        # MLA passes its query/key and value widths (k_channels, v_channels) and its softmax
+        # scale (with YaRN's mscale); the widths are read from the tensors in forward.
+        head_dim = k_channels or config.kv_channels
         self.softmax_scale = (
             softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
         )
@@ -149,6 +153,8 @@ class PackedCoreAttention(MegatronModule):
         for index, length in enumerate(padded_lengths):
             by_length.setdefault(length, []).append(index)
         heads, dim = query.shape[1], query.shape[2]
+        # MLA: values are narrower than queries and keys (v_head_dim).
+        value_dim = value.shape[-1]
         local_starts = [0]
         full_starts = [0]
         for length in padded_lengths:
@@ -181,10 +187,10 @@ class PackedCoreAttention(MegatronModule):
                 q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask, self.softmax_scale
             ).transpose(1, 2)
             if len(by_length) == 1:
-                return out.reshape(query.shape[0], heads * dim)
+                return out.reshape(query.shape[0], heads * value_dim)
             if output is None:
-                output = query.new_zeros(query.shape[0], heads * dim)
-            output = output.index_copy(0, local_rows.flatten(), out.reshape(-1, heads * dim))
+                output = query.new_zeros(query.shape[0], heads * value_dim)
+            output = output.index_copy(0, local_rows.flatten(), out.reshape(-1, heads * value_dim))
         return output
 
 

@@ -189,6 +189,32 @@ def count_routed_tokens(
             router.local_tokens_per_expert += routing_map.sum(dim=0)
 
 
+class _AbsentTransformerEngineLinear:
+    """Stands for Transformer Engine's ``TELinear`` where TE is not installed: no module is an
+    instance of it."""
+
+
+def allow_mla_without_transformer_engine() -> bool:
+    """Let Megatron's ``MLASelfAttention`` be built without Transformer Engine; True if changed.
+
+    megatron-core 0.16.1's ``transformer/multi_latent_attention.py`` imports ``TELinear`` from
+    ``extensions/transformer_engine.py``, which without TE defines its classes on a
+    ``MagicMock`` module, so the import succeeds (``HAVE_TE = True``) and ``TELinear`` is a
+    MagicMock instance, not a class; ``MultiLatentAttention.__init__`` then calls
+    ``isinstance(self.linear_proj, TELinear)`` (line 185) and raises ``TypeError: isinstance()
+    arg 2 must be a type``: the local MLA spec cannot be instantiated at all. Replaced by a
+    class nothing is an instance of (TE's fp8 branch it guards is then skipped, as without TE).
+    Checked on 0.16.1; 0.17.1 imports TE behind ``if HAVE_TE`` and needs nothing (this is then
+    a no-op: ``TELinear`` is a class or None)."""
+    from megatron.core.transformer import multi_latent_attention
+
+    current = getattr(multi_latent_attention, "TELinear", None)
+    if current is None or isinstance(current, type):
+        return False
+    multi_latent_attention.TELinear = _AbsentTransformerEngineLinear
+    return True
+
+
 def install_routed_token_counting(chunks: list[torch.nn.Module]) -> int:
     """Give every router with an expert bias :func:`count_routed_tokens` (an instance attribute:
     the class stays upstream's). Returns the number of routers changed."""

@@ -1,5 +1,6 @@
-"""The policy model: a Megatron-Core GPTModel for Qwen3-MoE, Mixtral, Qwen2-MoE, dense Qwen3 and
-GLM-4.5 (``glm4_moe``).
+"""The policy model: a Megatron-Core GPTModel for Qwen3-MoE, Mixtral, Qwen2-MoE, dense Qwen3,
+GLM-4.5 (``glm4_moe``) and DeepSeek-V3 (``deepseek_v3``: GLM-4.5's router with multi-head latent
+attention, Megatron's ``MLATransformerConfig``; docs/deepseek-v3.md).
 
 :func:`transformer_config` maps our :class:`~megatron_gspo.config.ModelConfig` and
 :class:`~megatron_gspo.config.ParallelConfig` to Megatron's ``TransformerConfig``;
@@ -31,14 +32,16 @@ from megatron.core.distributed import DistributedDataParallel, DistributedDataPa
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 from megatron.core.transformer.identity_op import IdentityOp
+from megatron.core.transformer.multi_latent_attention import MLASelfAttention
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
-from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
-from megatron_gspo.config import ModelConfig, ParallelConfig, TrainConfig
+from megatron_gspo.config import ConfigError, ModelConfig, ParallelConfig, TrainConfig
 from megatron_gspo.engine.attention import PackedCoreAttention
 from megatron_gspo.engine.compat import (
     MEGATRON_CORE_VERSION,
+    allow_mla_without_transformer_engine,
     cuda_available,
     gpt_postprocess_parameters,
     has_router_replay,
@@ -143,7 +146,7 @@ def transformer_config(
             moe_permute_fusion=False,
             moe_router_fusion=False,
         )
-        if model.architecture == "glm4_moe":
+        if model.architecture in ("glm4_moe", "deepseek_v3"):
             grouped = model.moe_router_num_groups > 1
             moe.update(
                 moe_router_score_function="sigmoid",
@@ -166,7 +169,12 @@ def transformer_config(
         recompute = dict(
             recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1
         )
-    return TransformerConfig(
+    config_class: type = TransformerConfig
+    mla: dict[str, Any] = {}
+    if model.architecture == "deepseek_v3":
+        config_class = MLATransformerConfig
+        mla = _mla_settings(model, parallel)
+    return config_class(
         num_layers=model.num_layers,
         hidden_size=model.hidden_size,
         num_attention_heads=model.num_attention_heads,
@@ -179,7 +187,7 @@ def transformer_config(
         activation_func=F.silu,
         add_bias_linear=False,
         add_qkv_bias=model.add_qkv_bias,
-        qk_layernorm=model.qk_layernorm,
+        qk_layernorm=mla.pop("qk_layernorm", model.qk_layernorm),
         hidden_dropout=0.0,
         attention_dropout=0.0,
         init_method_std=model.init_std,
@@ -218,7 +226,67 @@ def transformer_config(
         persist_layer_norm=False,
         **moe,
         **recompute,
+        **mla,
     )
+
+
+def _mla_settings(model: ModelConfig, parallel: ParallelConfig) -> dict[str, Any]:
+    """The ``MLATransformerConfig`` fields of DeepSeek-V3's multi-head latent attention
+    (``docs/deepseek-v3.md``): latent ranks, head widths, plain RoPE or YaRN with its softmax
+    mscale."""
+    if parallel.cp > 1:
+        raise ConfigError(
+            "parallel.cp",
+            f"{parallel.cp} with deepseek_v3",
+            "megatron-core 0.16.1's MLA builds its YaRN rotary table at construction for the "
+            "context-parallel rank (YarnRotaryEmbedding._set_cos_sin_cache -> "
+            "rope_utils.get_pos_emb_on_this_cp_rank), which allocates pinned memory and fails "
+            "without CUDA ('pin_memory=True requires a CUDA or other accelerator backend'); "
+            "past it, the CPU core attention's context-parallel path is untested with MLA",
+            "set parallel.cp=1 (use tp, ep or pp to split the model)",
+        )
+    if parallel.tp > 1 and not use_transformer_engine():
+        raise ConfigError(
+            "parallel.tp",
+            f"{parallel.tp} with deepseek_v3 on the local (CPU) layer spec",
+            "megatron-core 0.16.1's local MLA spec builds linear_kv_down_proj as a "
+            "ColumnParallelLinear, so MLASelfAttention gathers its output over tensor-parallel "
+            "ranks and every rank uses the shared rotary key k_pos_emb with its own heads only; "
+            "the gather's backward keeps each rank's own slice, so the rotary key's gradient "
+            "misses the other ranks' heads (measured: tp2 gradients 0.8% off one process, "
+            "worst on the input layernorm; the forward is exact). TE's spec (a GPU) uses a "
+            "duplicated TELinear there and reduces that gradient",
+            "set parallel.tp=1 (dp, ep and pp are exact with MLA), or run on a GPU with "
+            "Transformer Engine",
+        )
+    yarn = model.rope_scaling_factor != 1.0
+    settings: dict[str, Any] = dict(
+        multi_latent_attention=True,
+        q_lora_rank=model.q_lora_rank,
+        kv_lora_rank=model.kv_lora_rank,
+        qk_head_dim=model.qk_nope_head_dim,
+        qk_pos_emb_head_dim=model.qk_rope_head_dim,
+        v_head_dim=model.v_head_dim,
+        rope_type="yarn" if yarn else "rope",
+        rotary_base=model.rope_theta,
+        rotary_percent=1.0,
+        # Without YaRN the softmax mscale must be 1: m(1, 0) = 1 (Megatron's default factor 40
+        # with mscale_all_dim 0 also gives 1, but say what is meant).
+        rotary_scaling_factor=model.rope_scaling_factor,
+        mscale=model.yarn_mscale,
+        mscale_all_dim=model.yarn_mscale_all_dim if yarn else 0.0,
+        # The latent norms (HF q_a_layernorm, kv_a_layernorm): Megatron builds them only with
+        # qk_layernorm (q_layernorm / kv_layernorm in the local spec, fused into the up
+        # projections in TE's).
+        qk_layernorm=True,
+    )
+    if yarn:
+        settings.update(
+            original_max_position_embeddings=model.rope_scaling_original_max_position_embeddings,
+            beta_fast=model.yarn_beta_fast,
+            beta_slow=model.yarn_beta_slow,
+        )
+    return settings
 
 
 # ---------------------------------------------------------------------------------------------
@@ -237,6 +305,11 @@ def _local_layer_spec(spec: ModuleSpec, cache: dict[int, ModuleSpec]) -> ModuleS
             setattr(layer, name, SequenceParallelTorchNorm)
     attention = layer.self_attention.submodules
     attention.core_attention = PackedCoreAttention
+    if layer.self_attention.module is MLASelfAttention:
+        # The latent norms of multi-head latent attention (built with qk_layernorm).
+        attention.q_layernorm = attention.kv_layernorm = SequenceParallelTorchNorm
+        cache[id(spec)] = spec
+        return spec
     for name in ("q_layernorm", "k_layernorm"):
         if getattr(attention, name) is not IdentityOp:
             setattr(attention, name, SequenceParallelTorchNorm)
@@ -337,6 +410,8 @@ def build_policy_model(
 
         RouterReplay.clear_global_router_replay_instances()
     config = transformer_config(cfg.model, cfg.parallel, moe_enable_routing_replay=routing_replay)
+    if config.multi_latent_attention:
+        allow_mla_without_transformer_engine()
     vocab = padded_vocab_size(cfg.model.vocab_size, parallel_state.tp)
     max_length = max(
         cfg.model.max_position_embeddings, cfg.algo.prompt_length + cfg.algo.response_length
@@ -360,7 +435,7 @@ def build_policy_model(
         )
         chunk.to(parallel_state.device)
         chunks.append(chunk)
-    if cfg.model.architecture == "glm4_moe":
+    if cfg.model.architecture in ("glm4_moe", "deepseek_v3"):
         install_routed_token_counting(chunks)
     annotate_tensor_parallel_attributes(chunks)
     return chunks

@@ -87,6 +87,23 @@ _RULES: list[tuple[re.Pattern, str, Optional[int], bool]] = [
         (r"^self_attention\.linear_qkv\.(weight|bias)$", SPLIT, 0, False),
         (r"^self_attention\.linear_qkv\.layer_norm_(weight|bias)$", REPLICATED, None, False),
         (r"^self_attention\.(q_layernorm|k_layernorm)\.(weight|bias)$", REPLICATED, None, False),
+        # DeepSeek-V3's multi-head latent attention: every projection but linear_proj is column
+        # parallel in the local spec (the down projections' outputs are gathered before the
+        # latent norms, which are replicated; TE fuses them into the up projections).
+        (
+            r"^self_attention\.linear_(q_proj|q_down_proj|q_up_proj|kv_down_proj|kv_up_proj)"
+            r"\.weight$",
+            SPLIT,
+            0,
+            False,
+        ),
+        (r"^self_attention\.kv_layernorm\.(weight|bias)$", REPLICATED, None, False),
+        (
+            r"^self_attention\.linear_(q_up_proj|kv_up_proj)\.layer_norm_(weight|bias)$",
+            REPLICATED,
+            None,
+            False,
+        ),
         (r"^self_attention\.linear_proj\.weight$", SPLIT, 1, False),
         (r"^self_attention\.linear_proj\.bias$", REPLICATED, None, False),
         (r"^mlp\.linear_fc1\.layer_norm_(weight|bias)$", REPLICATED, None, False),

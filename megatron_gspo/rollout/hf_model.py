@@ -1,7 +1,7 @@
 """The policy as a ``transformers`` model, and the recorder of its routers' choices.
 
 transformers 5 MoE routers (``Qwen3MoeTopKRouter``, ``MixtralTopKRouter``, ``Qwen2MoeTopKRouter``,
-GLM-4.5's ``Glm4MoeTopkRouter``) return ``(router_logits, top_k_weights, top_k_indices)``
+GLM-4.5's ``Glm4MoeTopkRouter``, DeepSeek-V3's ``DeepseekV3TopkRouter``) return ``(router_logits, top_k_weights, top_k_indices)``
 (GLM-4.5: the indices selected by sigmoid scores plus the correction bias, within the chosen
 groups; the weights renormalised and scaled); a forward hook on each MoE layer's
 ``mlp.gate`` reads the indices, which are logical expert ids (no expert-parallel remap exists in
@@ -47,7 +47,7 @@ def build_hf_model(
             model = model_class(config)
     model = model.to(dtype=dtype).eval()
     for name, buffer in model.named_buffers():
-        # GLM-4.5's correction bias stays float32 in every dtype, as from_pretrained keeps it
+        # GLM-4.5's and DeepSeek-V3's correction bias stays float32 in every dtype, as from_pretrained keeps it
         # (_keep_in_fp32_modules_strict) and as the trainer keeps Megatron's expert_bias.
         if name.endswith(".mlp.gate.e_score_correction_bias"):
             buffer.data = buffer.data.float()

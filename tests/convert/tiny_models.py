@@ -133,6 +133,107 @@ def glm4_moe_tiny_config() -> dict:
 
 ARCHITECTURES["glm4_moe"] = ("Glm4MoeConfig", glm4_moe_tiny_config())
 
+DEEPSEEK_V3_CONFIG = {  # huggingface.co/deepseek-ai/DeepSeek-V3, config.json (auto_map omitted)
+    "architectures": ["DeepseekV3ForCausalLM"],
+    "attention_bias": False,
+    "attention_dropout": 0.0,
+    "aux_loss_alpha": 0.001,
+    "bos_token_id": 0,
+    "eos_token_id": 1,
+    "ep_size": 1,
+    "first_k_dense_replace": 3,
+    "hidden_act": "silu",
+    "hidden_size": 7168,
+    "initializer_range": 0.02,
+    "intermediate_size": 18432,
+    "kv_lora_rank": 512,
+    "max_position_embeddings": 163840,
+    "model_type": "deepseek_v3",
+    "moe_intermediate_size": 2048,
+    "moe_layer_freq": 1,
+    "n_group": 8,
+    "n_routed_experts": 256,
+    "n_shared_experts": 1,
+    "norm_topk_prob": True,
+    "num_attention_heads": 128,
+    "num_experts_per_tok": 8,
+    "num_hidden_layers": 61,
+    "num_key_value_heads": 128,
+    "num_nextn_predict_layers": 1,
+    "q_lora_rank": 1536,
+    "qk_nope_head_dim": 128,
+    "qk_rope_head_dim": 64,
+    "quantization_config": {
+        "activation_scheme": "dynamic",
+        "fmt": "e4m3",
+        "quant_method": "fp8",
+        "weight_block_size": [128, 128],
+    },
+    "rms_norm_eps": 1e-06,
+    "rope_scaling": {
+        "beta_fast": 32,
+        "beta_slow": 1,
+        "factor": 40,
+        "mscale": 1.0,
+        "mscale_all_dim": 1.0,
+        "original_max_position_embeddings": 4096,
+        "type": "yarn",
+    },
+    "rope_theta": 10000,
+    "routed_scaling_factor": 2.5,
+    "scoring_func": "sigmoid",
+    "seq_aux": True,
+    "tie_word_embeddings": False,
+    "topk_group": 4,
+    "topk_method": "noaux_tc",
+    "torch_dtype": "bfloat16",
+    "transformers_version": "4.33.1",
+    "use_cache": True,
+    "v_head_dim": 128,
+    "vocab_size": 129280,
+}
+
+DEEPSEEK_V3_TINY_SIZES = dict(
+    hidden_size=64,
+    num_hidden_layers=2,
+    first_k_dense_replace=1,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    q_lora_rank=24,
+    kv_lora_rank=8,
+    qk_nope_head_dim=16,
+    qk_rope_head_dim=8,
+    v_head_dim=16,
+    vocab_size=128,
+    intermediate_size=96,
+    moe_intermediate_size=32,
+    n_routed_experts=16,
+    num_nextn_predict_layers=0,
+)
+"""DeepSeek-V3 scaled down: only sizes change (hidden, layers, heads and head widths, latent
+ranks, FFN widths, experts per group, vocabulary); the router (8 groups, 4 chosen, top-8,
+scaling 2.5, sigmoid with correction bias), YaRN (factor 40 over 4096 positions, mscale 1, 1) and
+the interleaved RoPE layout are the published ones. The published checkpoint is fp8
+(``quantization_config``), which the loader refuses; the tiny model is fp32 without it."""
+
+
+def deepseek_v3_tiny_config() -> dict:
+    """The config.json fields of the tiny DeepSeek-V3."""
+    skip = (
+        "architectures",
+        "model_type",
+        "transformers_version",
+        "torch_dtype",
+        "quantization_config",
+    )
+    config = {k: v for k, v in DEEPSEEK_V3_CONFIG.items() if k not in skip}
+    config.update(DEEPSEEK_V3_TINY_SIZES)
+    config.update(bos_token_id=None, eos_token_id=None)
+    return config
+
+
+ARCHITECTURES["deepseek_v3"] = ("DeepseekV3Config", deepseek_v3_tiny_config())
+
 SEQUENCE_LENGTH = 12
 BATCH_SIZE = 2
 
@@ -142,7 +243,12 @@ def build_hf_model(architecture: str, seed: int = 0):
     import transformers
 
     class_name, kwargs = ARCHITECTURES[architecture]
-    config = getattr(transformers, class_name)(**{**COMMON, **kwargs})
+    common = dict(COMMON)
+    if class_name == "DeepseekV3Config":  # MLA: one key/value per head, head widths of its own
+        common = {
+            k: v for k, v in common.items() if k not in ("head_dim", "max_position_embeddings")
+        }
+    config = getattr(transformers, class_name)(**{**common, **kwargs})
     config._attn_implementation = "eager"
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config).float().eval()

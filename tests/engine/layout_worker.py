@@ -77,6 +77,32 @@ MODELS = {
         rotary_percent=0.5,
         add_qkv_bias=True,
     ),
+    # DeepSeek-V3: GLM-4.5's router (correction bias updated by the step, groups, scaling,
+    # shared expert, dense first layer) with multi-head latent attention (low-rank query,
+    # key/value latent, a value width of its own) and YaRN with the softmax mscale.
+    "deepseek": dict(
+        architecture="deepseek_v3",
+        num_layers=2,
+        num_query_groups=4,
+        num_experts=8,
+        moe_router_topk=2,
+        first_k_dense_layers=1,
+        shared_expert_intermediate_size=48,
+        moe_router_num_groups=2,
+        moe_router_group_topk=1,
+        moe_router_topk_scaling_factor=2.5,
+        moe_router_bias_update_rate=1e-3,
+        qk_layernorm=False,
+        q_lora_rank=32,
+        kv_lora_rank=16,
+        qk_nope_head_dim=16,
+        qk_rope_head_dim=16,
+        v_head_dim=12,
+        rope_theta=10000.0,
+        rope_scaling_factor=4.0,
+        rope_scaling_original_max_position_embeddings=32,
+        yarn_mscale_all_dim=1.0,
+    ),
 }
 VARIANTS = {
     # The MoE case with a rollout correction (bounds that bind on make_samples' behaviour

@@ -6,7 +6,9 @@ writes its errors per rank. Model: tiny Qwen3-MoE (4 layers, hidden 64, 8 expert
 64, load-balancing loss on), Qwen2-MoE (shared expert, q/k/v bias, dense first layer) and dense
 Qwen3 with tied embeddings, GLM-4.5 (``glm4``: sigmoid routing with a non-zero correction bias
 that the step updates from token counts all-reduced over tp x cp x dp, groups, scaling, shared
-expert, partial RoPE; in dp2, tp2, ep2 and pp2, the updated bias bit for bit); 8 samples of different lengths, two micro-batches in every layout.
+expert, partial RoPE; in dp2, tp2, ep2 and pp2, the updated bias bit for bit), DeepSeek-V3
+(``deepseek``: GLM-4.5's router with multi-head latent attention and YaRN; dp2, ep2, pp2; tp and cp
+are refused at start on CPU); 8 samples of different lengths, two micro-batches in every layout.
 The MoE case also runs with each rollout correction (token TIS, token mask, geometric-mean
 sequence truncate and mask: the weights of sequences split by cp need the all-reduced mean) in
 dp2, cp2 and pp2, and with the CISPO and GMPO surrogates.
@@ -66,7 +68,7 @@ BF16_EXACT_METRIC_TOLERANCE = 1e-6
 CORRECTIONS = ("tis", "icepop", "geo_truncate", "geo_mask")
 """MoE cases with a rollout correction (layout_worker.VARIANTS), in dp2, cp2 and pp2."""
 SURROGATES = ("cispo", "gmpo")
-CASES = ("moe", "qwen2", "dense", "glm4", *CORRECTIONS, *SURROGATES, "bf16")
+CASES = ("moe", "qwen2", "dense", "glm4", "deepseek", *CORRECTIONS, *SURROGATES, "bf16")
 
 LAUNCHES = {
     2: [
@@ -83,6 +85,8 @@ LAUNCHES = {
         "dense:pp2",
         "dense:cp2",
         *(f"glm4:{layout}" for layout in ("dp2", "tp2", "ep2", "pp2")),
+        # MLA: tp and cp are refused at start on CPU (test_deepseek_v3_refuses_tp_and_cp).
+        *(f"deepseek:{layout}" for layout in ("dp2", "ep2", "pp2")),
         *(f"{case}:{layout}" for case in CORRECTIONS for layout in ("dp2", "cp2", "pp2")),
         "cispo:cp2",
         "gmpo:cp2",
@@ -248,3 +252,28 @@ def test_glm4_correction_bias_moved_in_the_reference(reference_dir):
     delta = (bias - initial).double()
     assert (delta > 0).any() and (delta < 0).any()
     torch.testing.assert_close(delta.abs(), torch.full_like(delta, 1e-3), rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "layout, key, cause",
+    [
+        # The rotary key's gradient misses the other tensor-parallel ranks' heads (local spec).
+        (dict(tp=2), "parallel.tp", "k_pos_emb"),
+        # YaRN's table for a context-parallel rank is built in pinned memory (CUDA only).
+        (dict(cp=2), "parallel.cp", "pin_memory"),
+    ],
+)
+def test_deepseek_v3_refuses_tp_and_cp(layout, key, cause):
+    """MLA layouts megatron-core 0.16.1 gets wrong or cannot build on CPU fail before any model is
+    built, naming the upstream place (docs/deepseek-v3.md, "Not supported")."""
+    sys.path.insert(0, str(WORKER.parent))
+    from layout_worker import MODELS
+
+    from megatron_gspo.config import ConfigError, ModelConfig, ParallelConfig
+    from megatron_gspo.engine.model import transformer_config
+
+    model = ModelConfig(vocab_size=64, hidden_size=64, head_dim=16, **MODELS["deepseek"])
+    with pytest.raises(ConfigError, match=key) as error:
+        transformer_config(model, ParallelConfig(**layout))
+    assert cause in str(error.value)
+    transformer_config(model, ParallelConfig(ep=2))  # what the layouts above run

@@ -50,6 +50,29 @@ def tiny_model_config(architecture: str = "qwen3_moe", **overrides) -> ModelConf
             rotary_percent=0.5,
             add_qkv_bias=True,
         )
+    if architecture == "deepseek_v3":
+        # DeepSeek-V3's features: the GLM-4.5 router (groups, scaling, a shared expert, a first
+        # dense layer) with multi-head latent attention (low-rank query, a value width of its
+        # own) and YaRN with the softmax mscale.
+        fields.update(
+            first_k_dense_layers=1,
+            num_query_groups=4,
+            head_dim=4,
+            shared_expert_intermediate_size=24,
+            moe_router_num_groups=2,
+            moe_router_group_topk=1,
+            moe_router_topk_scaling_factor=2.5,
+            qk_layernorm=False,
+            q_lora_rank=16,
+            kv_lora_rank=8,
+            qk_nope_head_dim=8,
+            qk_rope_head_dim=4,
+            v_head_dim=6,
+            rope_theta=10000.0,
+            rope_scaling_factor=4.0,
+            rope_scaling_original_max_position_embeddings=64,
+            yarn_mscale_all_dim=1.0,
+        )
     fields.update(overrides)
     return ModelConfig(**fields)
 

@@ -14,7 +14,7 @@ from megatron_gspo.rollout.embedded import EmbeddedEngine
 from megatron_gspo.rollout.types import GenerateRequest, RolloutEngineError, derive_seed
 from tests.rollout.conftest import tiny_model_config
 
-ARCHITECTURES = ("qwen3_moe", "mixtral", "qwen2_moe", "qwen3", "glm4_moe")
+ARCHITECTURES = ("qwen3_moe", "mixtral", "qwen2_moe", "qwen3", "glm4_moe", "deepseek_v3")
 
 
 def _requests(count: int = 4, **fields) -> list[GenerateRequest]:

@@ -11,7 +11,7 @@ from megatron_gspo.rollout.weight_loader import HFWeightLayout, iter_safetensors
 from megatron_gspo.weight_sync import StableTensorStream
 from tests.rollout.conftest import tiny_model_config
 
-ARCHITECTURES = ("qwen3_moe", "mixtral", "qwen2_moe", "qwen3", "glm4_moe")
+ARCHITECTURES = ("qwen3_moe", "mixtral", "qwen2_moe", "qwen3", "glm4_moe", "deepseek_v3")
 
 
 def _saved_state(engine: EmbeddedEngine, directory) -> dict[str, torch.Tensor]:

@@ -1,0 +1,182 @@
+"""GLM-4.5 (``glm4_moe``) on a real SGLang 0.5.23 server (CPU, float32), and the RL loop against it.
+
+SGLang serves the model with its own GLM-4.5 class (``sglang/srt/models/glm4_moe.py``): sigmoid
+router, score-correction bias, expert groups, shared expert, a dense first layer, partial RoPE
+and q/k/v bias, on the CPU backend's plain-torch path. The exported checkpoint carries a random,
+non-zero correction bias, so a server that ignored it would select other experts. Checked against
+transformers' ``Glm4MoeForCausalLM`` loaded from the same directory: greedy tokens, log-probs and
+R3 routes. Then the trainer (a fresh glm4_moe of the same shape, so other weights and a zero bias)
+syncs its weights into the server and trains two GRPO + R3 steps on SGLang's samples: a server
+that dropped a synced weight would leave the trainer-vs-SGLang log-prob gap far above float32
+rounding (under R3 the bias only chooses experts, which are replayed: the bias is the generation
+test's).
+
+One server for the module, beside the package's Qwen3-MoE one. Slow tier (``--full``): its own
+server's start and SGLang's 15 s shutdown, about 50 s of CI's budget with the two steps; CI keeps
+the GLM-4.5 engine, conversion, layouts and replay on the embedded engine and Megatron.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import transformers
+from e2e.harness import GRPO, TINY, assert_required_metrics, run_train
+
+from megatron_gspo.convert.hf_config import hf_config_from_model_config
+from megatron_gspo.rollout.auth import API_KEY_ENV
+from megatron_gspo.rollout.embedded import EmbeddedEngine
+from megatron_gspo.rollout.hf_model import forward_with_routes
+from megatron_gspo.rollout.sglang_client import SGLangEngine
+from megatron_gspo.rollout.sglang_protocol import RouteLayout
+from megatron_gspo.rollout.types import GenerateRequest
+from megatron_gspo.weight_sync import free_port, write_hf_checkpoint
+
+from .server import (
+    SGLANG_VERSION,
+    SKIP_REASON,
+    server_model_config,
+    sglang_python,
+    start_server,
+)
+
+GLM4_FIELDS = {
+    "architecture": "glm4_moe",
+    "first_k_dense_layers": 1,
+    "shared_expert_intermediate_size": 48,
+    "moe_router_num_groups": 2,
+    "moe_router_group_topk": 1,
+    "moe_router_topk_scaling_factor": 2.5,
+    "rotary_percent": 0.5,
+    "add_qkv_bias": True,
+}
+"""The CPU demo's shape as GLM-4.5: layer 0 dense, layer 1 routed (8 experts in 2 groups, one
+group per token, top-2 scaled by 2.5) with a shared expert, partial RoPE, q/k/v bias (the
+overrides of ``tests/e2e/test_glm4_moe.py``)."""
+GLM4_OVERRIDES = tuple(
+    f"model.{key}={str(value).lower() if isinstance(value, bool) else value}"
+    for key, value in GLM4_FIELDS.items()
+    if key != "architecture"
+) + ("model.architecture=glm4_moe",)
+PROMPTS = [[1, 2, 3], [7, 7, 1, 0, 5], [4], [9, 8, 7, 6, 5, 4, 3]]
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def glm_server(tmp_path_factory):
+    python = sglang_python()
+    if python is None:
+        pytest.skip(SKIP_REASON)
+    directory = tmp_path_factory.mktemp("glm4_sglang")
+    model = server_model_config(**GLM4_FIELDS)
+    engine = EmbeddedEngine(model, seed=0)
+    generator = torch.Generator().manual_seed(5)
+    state = []
+    for name, tensor in engine.hf_state():
+        if name.endswith("e_score_correction_bias"):
+            # Large enough to change which experts win (sigmoid scores lie in (0, 1)).
+            tensor = 0.3 * torch.randn(tensor.shape, generator=generator)
+        state.append((name, tensor))
+    assert any(name.endswith("e_score_correction_bias") for name, _ in state)
+    write_hf_checkpoint(
+        state,
+        str(directory / "model"),
+        config_json=hf_config_from_model_config(model).to_json_string(),
+    )
+    engine.close()
+    server = start_server(
+        python, model, directory / "model", directory / "server.log", free_port("127.0.0.1")
+    )
+    try:
+        assert server.get("/server_info")["version"] == SGLANG_VERSION
+        yield server
+    finally:
+        left = server.stop()
+        assert not left, f"processes of the SGLang server outlived it and were killed: {left}"
+
+
+@pytest.fixture(scope="module")
+def reference(glm_server):
+    """transformers' GLM-4.5 loaded from the directory the server loaded (bias included)."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        str(glm_server.model_dir), dtype=torch.float32
+    ).eval()
+    assert type(model).__name__ == "Glm4MoeForCausalLM"
+    (bias,) = [b for n, b in model.named_buffers() if n.endswith("e_score_correction_bias")]
+    assert float(bias.abs().max()) > 0.1
+    return model
+
+
+@pytest.fixture(scope="module")
+def client(glm_server):
+    engine = SGLangEngine(
+        [glm_server.url],
+        RouteLayout.from_model_config(glm_server.model),
+        api_key=glm_server.api_key,
+        request_timeout_s=120,
+    )
+    yield engine
+    engine.close()
+
+
+def test_sglang_generates_as_transformers_with_the_bias_and_its_routes(
+    client, reference, glm_server
+):
+    """Greedy tokens are transformers' argmax, log-probs within 1e-5, and the R3 routes of the
+    routed layer (layer 1; layer 0 is dense) are the HF router's top-k: group-limited, selected
+    by sigmoid score + bias."""
+    layout = RouteLayout.from_model_config(glm_server.model)
+    assert list(layout.moe_layer_indices) == [1] and layout.top_k == 2
+    results = client.generate(
+        [
+            GenerateRequest(p, max_new_tokens=8, temperature=0.0, return_routed_experts=True)
+            for p in PROMPTS
+        ]
+    )
+    worst_log_prob = 0.0
+    differing = total = 0
+    for prompt, result in zip(PROMPTS, results):
+        tokens = list(prompt) + result.output_ids
+        logits, expected_routes = forward_with_routes(reference, tokens[:-1])
+        table = torch.log_softmax(logits, dim=-1)[len(prompt) - 1 :]
+        assert result.output_ids == table.argmax(-1).tolist()
+        expected = table[torch.arange(len(result.output_ids)), torch.tensor(result.output_ids)]
+        got = torch.from_numpy(result.output_log_probs)
+        worst_log_prob = max(worst_log_prob, float((got - expected).abs().max()))
+        routes = torch.from_numpy(result.routed_experts.astype(np.int64))
+        assert routes.shape == expected_routes.shape == (len(tokens) - 1, 1, 2)
+        differing += int((routes.sort(-1).values != expected_routes.sort(-1).values).any(-1).sum())
+        total += routes.shape[0]
+    assert worst_log_prob < 1e-5, worst_log_prob
+    # fp32 near-ties between the 2nd and 3rd expert could flip a row; none did when written.
+    assert differing <= total // 50, (differing, total)
+
+
+def test_grpo_with_r3_trains_against_sglang(glm_server, monkeypatch, tmp_path):
+    """Two GRPO + R3 steps of a fresh glm4_moe trainer against the server: the trainer's weights
+    (a zero correction bias among them) are synced at start and after each step; the old
+    log-probs, recomputed replaying SGLang's routes, stay within float32 rounding of SGLang's."""
+    monkeypatch.setenv(API_KEY_ENV, glm_server.api_key)
+    launch = run_train(
+        tmp_path / "glm4_r3",
+        [
+            "steps=2",
+            *TINY,
+            *GLM4_OVERRIDES,
+            "rollout.engine=sglang",
+            f"rollout.sglang.urls=[{glm_server.url}]",
+            *GRPO,
+            "algo.routing_replay=r3",
+            "rollout.weight_transport=tensor",
+        ],
+        timeout=300,
+    )
+    records = launch.metrics()
+    assert_required_metrics(records, steps=2)
+    for record in records:
+        assert record["rollout_log_prob_abs_diff"] < 2e-6, record["rollout_log_prob_abs_diff"]
+        assert record["routing_mismatch_vs_rollout"] == 0.0
+        assert record["weight_sync_bytes"] > 0
+    assert glm_server.get("/model_info")["weight_version"] == "2"
