@@ -185,6 +185,23 @@ def _check_representable(model: ModelConfig) -> None:
             )
 
 
+def _sigmoid_router_kwargs(model: ModelConfig) -> dict[str, Any]:
+    """The HF config fields of the sigmoid router with experts that GLM-4.5 and DeepSeek-V3 share
+    (their reader is :func:`_sigmoid_router_fields`)."""
+    return dict(
+        num_experts_per_tok=model.moe_router_topk,
+        output_router_logits=False,
+        moe_intermediate_size=model.moe_ffn_hidden_size,
+        n_routed_experts=model.num_experts,
+        n_shared_experts=model.shared_expert_intermediate_size // model.moe_ffn_hidden_size,
+        norm_topk_prob=model.moe_renormalize_topk,
+        first_k_dense_replace=model.first_k_dense_layers,
+        n_group=model.moe_router_num_groups,
+        topk_group=model.moe_router_group_topk,
+        routed_scaling_factor=model.moe_router_topk_scaling_factor,
+    )
+
+
 def hf_config_kwargs(model: ModelConfig) -> dict[str, Any]:
     """Keyword arguments of the HF config class for ``model`` (plain data, JSON-serialisable).
 
@@ -210,19 +227,11 @@ def hf_config_kwargs(model: ModelConfig) -> dict[str, Any]:
         "architectures": [HF_ARCHITECTURE_CLASS[model.architecture]],
     }
     arch = model.architecture
-    if arch == "deepseek_v3":
+    if arch in ("deepseek_v3", "glm4_moe"):
         del kwargs["use_sliding_window"]
+        kwargs.update(_sigmoid_router_kwargs(model))
+    if arch == "deepseek_v3":
         kwargs.update(
-            num_experts_per_tok=model.moe_router_topk,
-            output_router_logits=False,
-            moe_intermediate_size=model.moe_ffn_hidden_size,
-            n_routed_experts=model.num_experts,
-            n_shared_experts=model.shared_expert_intermediate_size // model.moe_ffn_hidden_size,
-            norm_topk_prob=model.moe_renormalize_topk,
-            first_k_dense_replace=model.first_k_dense_layers,
-            n_group=model.moe_router_num_groups,
-            topk_group=model.moe_router_group_topk,
-            routed_scaling_factor=model.moe_router_topk_scaling_factor,
             attention_bias=False,
             q_lora_rank=model.q_lora_rank,
             kv_lora_rank=model.kv_lora_rank,
@@ -236,18 +245,7 @@ def hf_config_kwargs(model: ModelConfig) -> dict[str, Any]:
         )
         return kwargs
     if arch == "glm4_moe":
-        del kwargs["use_sliding_window"]
         kwargs.update(
-            num_experts_per_tok=model.moe_router_topk,
-            output_router_logits=False,
-            moe_intermediate_size=model.moe_ffn_hidden_size,
-            n_routed_experts=model.num_experts,
-            n_shared_experts=model.shared_expert_intermediate_size // model.moe_ffn_hidden_size,
-            norm_topk_prob=model.moe_renormalize_topk,
-            first_k_dense_replace=model.first_k_dense_layers,
-            n_group=model.moe_router_num_groups,
-            topk_group=model.moe_router_group_topk,
-            routed_scaling_factor=model.moe_router_topk_scaling_factor,
             attention_bias=model.add_qkv_bias,
             use_qk_norm=model.qk_layernorm,
             partial_rotary_factor=model.rotary_percent,
