@@ -114,26 +114,12 @@ def read_recorded_batch(directory: str | os.PathLike, step: int) -> RecordedBatc
     """Step ``step``'s batch from ``directory``; :class:`RecordedBatchError` names a missing or
     damaged file."""
     path = recorded_batch_path(directory, step)
-    if not path.is_file():
-        raise RecordedBatchError(
-            f"{path}: no recorded batch of step {step} (record a run's batches with "
-            "rollout.save_rollouts=true)"
-        )
     try:
-        with safe_open(str(path), framework="pt") as handle:
-            header = json.loads((handle.metadata() or {})[_HEADER_KEY])
-            names = handle.keys()  # a safe_open handle is not iterable
-            tensors = {name: handle.get_tensor(name) for name in names}
-    except (SafetensorError, OSError, KeyError, json.JSONDecodeError) as error:
+        header, tensors = _open_recorded_batch(path, step, load_tensors=True)
+    except RecordedBatchError as error:
         raise RecordedBatchError(
-            f"{path}: damaged or not a recorded batch ({error.__class__.__name__}: {error}); "
-            "record the step again or replay another run"
+            f"{error}; record the step again (rollout.save_rollouts=true) or replay another run"
         ) from None
-    if header.get("format") != FORMAT or header.get("step") != step:
-        raise RecordedBatchError(
-            f"{path}: holds format {header.get('format')!r}, step {header.get('step')}; "
-            f"expected {FORMAT!r}, step {step}"
-        )
     samples = [
         TrainSample(tokens=torch.empty(0, dtype=torch.int64), **scalars)
         for scalars in header["samples"]
@@ -159,14 +145,32 @@ def read_recorded_batch(directory: str | os.PathLike, step: int) -> RecordedBatc
 def check_recorded_batch(directory: str | os.PathLike, step: int) -> str | None:
     """What is wrong with step ``step``'s file in ``directory`` without loading its tensors (a
     start-up check); None when it is there and of this format."""
-    path = recorded_batch_path(directory, step)
+    try:
+        _open_recorded_batch(recorded_batch_path(directory, step), step, load_tensors=False)
+    except RecordedBatchError as error:
+        return str(error)
+    return None
+
+
+def _open_recorded_batch(
+    path: Path, step: int, *, load_tensors: bool
+) -> tuple[dict, dict[str, torch.Tensor]]:
+    """The header of step ``step``'s file at ``path`` and, with ``load_tensors``, its tensors;
+    :class:`RecordedBatchError` says what is wrong (missing, damaged, another format or step)."""
     if not path.is_file():
-        return f"{path} is missing"
+        raise RecordedBatchError(f"{path} is missing")
     try:
         with safe_open(str(path), framework="pt") as handle:
             header = json.loads((handle.metadata() or {})[_HEADER_KEY])
+            names = handle.keys() if load_tensors else []  # a safe_open handle is not iterable
+            tensors = {name: handle.get_tensor(name) for name in names}
     except (SafetensorError, OSError, KeyError, json.JSONDecodeError) as error:
-        return f"{path} is damaged or not a recorded batch ({error.__class__.__name__})"
+        raise RecordedBatchError(
+            f"{path} is damaged or not a recorded batch ({error.__class__.__name__}: {error})"
+        ) from None
     if header.get("format") != FORMAT or header.get("step") != step:
-        return f"{path} holds format {header.get('format')!r}, step {header.get('step')}"
-    return None
+        raise RecordedBatchError(
+            f"{path} holds format {header.get('format')!r}, step {header.get('step')}; "
+            f"expected {FORMAT!r}, step {step}"
+        )
+    return header, tensors

@@ -50,7 +50,11 @@ def write_hf_checkpoint(
         if not shard:
             return
         file_name = f"shard-{len(temporary_files):05d}.tmp"
-        save_file(shard, os.path.join(directory, file_name), metadata={"format": "pt"})
+        path = os.path.join(directory, file_name)
+        save_file(shard, path, metadata={"format": "pt"})
+        # safetensors creates its files 0600; a checkpoint is read by other users (a server
+        # in a container, a colleague), so it gets the mode any file of this process gets.
+        os.chmod(path, 0o666 & ~_process_umask())
         temporary_files.append(file_name)
         weight_map.update(dict.fromkeys(shard, file_name))
         shard, shard_size = {}, 0
@@ -165,3 +169,16 @@ class DiskTransport(WeightTransport):
         while len(self._written) > self.keep_last:
             shutil.rmtree(self._written.pop(0), ignore_errors=True)
         return SyncStats(version, num_tensors, num_bytes, time.perf_counter() - start)
+
+
+def _process_umask() -> int:
+    """This process's umask, read without changing it (``os.umask`` can only be read by setting
+    it, which races with other threads creating files)."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as status:
+            for line in status:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except OSError:
+        pass
+    return 0o022

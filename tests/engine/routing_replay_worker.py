@@ -274,31 +274,9 @@ def check_r3_log_probs_match_the_embedded_engine() -> None:
     """Embedded engine with the trainer's weights (iter_hf_weights): under R3 the trainer's
     recomputed log-probs equal the engine's to fp32 tolerance, and the trainer's native routes
     agree with the rollout's."""
-    from megatron_gspo.engine.hf_import_export import iter_hf_weights
-    from megatron_gspo.rollout.embedded import EmbeddedEngine
-    from megatron_gspo.rollout.types import GenerateRequest
-
     engine = _engine("r3", model__init_std=0.2)
-    cfg = engine.cfg
-    rollout = EmbeddedEngine(cfg.model, seed=0)
-    rollout.sync_weights(iter_hf_weights(engine.policy_chunks, cfg), version=1)
-    requests = [
-        GenerateRequest(
-            input_ids=[(5 * i + 3 * j) % 60 + 1 for j in range(2 + i)],
-            max_new_tokens=6 + i,
-            temperature=cfg.rollout.temperature,
-            seed=100 + i,
-            return_routed_experts=True,
-        )
-        for i in range(6)
-    ]
-    samples = rollout_samples(requests, rollout.generate(requests))
-    rollout.close()
-    _prepare(engine, samples)
-    gap = max((s.old_log_probs - s.rollout_log_probs).abs().max().item() for s in samples)
-    assert gap < 2e-5, gap
-    moved = torch.cat([topk_sets_differ(s.old_routes, s.rollout_routes).view(-1) for s in samples])
-    assert float(moved.float().mean()) < 0.01, float(moved.float().mean())
+    rollout = _embedded_engine_with_trainer_weights(engine)
+    samples = _recomputed_r3_samples(engine, rollout, count=6)
     metrics = engine.forward_backward(samples)
     assert metrics["seq_log_ratio_abs_max"] == 0.0
     assert metrics["routing_change_frac"] == 0.0
@@ -621,25 +599,43 @@ def check_glm4_r3_log_probs_match_the_embedded_engine() -> None:
     and correction bias (iter_hf_weights), samples with routes; R3 replays them and the
     trainer's recomputed log-probs equal the engine's to fp32 tolerance, the training forward's
     ratio is exactly 1 and it used the engine's experts everywhere."""
-    from megatron_gspo.engine.hf_import_export import iter_hf_weights
-    from megatron_gspo.rollout.embedded import EmbeddedEngine
-    from megatron_gspo.rollout.types import GenerateRequest
-
     engine = _glm4_engine("recompute", mode="r3")
-    cfg = engine.cfg
-    rollout = EmbeddedEngine(cfg.model, seed=0)
-    rollout.sync_weights(iter_hf_weights(engine.policy_chunks, cfg), version=1)
+    rollout = _embedded_engine_with_trainer_weights(engine)
     bias = rollout.hf_model.model.layers[1].mlp.gate.e_score_correction_bias
     assert torch.equal(bias, _glm4_router(engine).expert_bias) and bias.abs().max() > 0
+    samples = _recomputed_r3_samples(engine, rollout, count=4)
+    metrics = engine.forward_backward(samples)
+    assert metrics["seq_log_ratio_abs_max"] == 0.0
+    assert metrics["routing_mismatch_vs_rollout"] == 0.0
+    assert metrics["routing_replay_weights_replayed"] == 0.0
+
+
+def _embedded_engine_with_trainer_weights(engine):
+    """An embedded rollout engine loaded with ``engine``'s weights, as a weight sync loads them
+    (iter_hf_weights)."""
+    from megatron_gspo.engine.hf_import_export import iter_hf_weights
+    from megatron_gspo.rollout.embedded import EmbeddedEngine
+
+    rollout = EmbeddedEngine(engine.cfg.model, seed=0)
+    rollout.sync_weights(iter_hf_weights(engine.policy_chunks, engine.cfg), version=1)
+    return rollout
+
+
+def _recomputed_r3_samples(engine, rollout, count: int) -> list:
+    """``count`` samples of ``rollout`` (closed afterwards) with their routes, their old log-probs
+    recomputed by ``engine`` under R3: equal to the engine's to fp32 tolerance, and the trainer's
+    native routes agree with the rollout's (fewer than 1% of top-k sets differ)."""
+    from megatron_gspo.rollout.types import GenerateRequest
+
     requests = [
         GenerateRequest(
             input_ids=[(5 * i + 3 * j) % 60 + 1 for j in range(2 + i)],
             max_new_tokens=6 + i,
-            temperature=cfg.rollout.temperature,
+            temperature=engine.cfg.rollout.temperature,
             seed=100 + i,
             return_routed_experts=True,
         )
-        for i in range(4)
+        for i in range(count)
     ]
     samples = rollout_samples(requests, rollout.generate(requests))
     rollout.close()
@@ -648,10 +644,7 @@ def check_glm4_r3_log_probs_match_the_embedded_engine() -> None:
     assert gap < 2e-5, gap
     moved = torch.cat([topk_sets_differ(s.old_routes, s.rollout_routes).view(-1) for s in samples])
     assert float(moved.float().mean()) < 0.01, float(moved.float().mean())
-    metrics = engine.forward_backward(samples)
-    assert metrics["seq_log_ratio_abs_max"] == 0.0
-    assert metrics["routing_mismatch_vs_rollout"] == 0.0
-    assert metrics["routing_replay_weights_replayed"] == 0.0
+    return samples
 
 
 CHECKS = {name[len("check_") :]: fn for name, fn in globals().items() if name.startswith("check_")}

@@ -72,11 +72,13 @@ def test_a_batch_reads_back_bit_for_bit(tmp_path):
 
 
 def test_missing_and_damaged_files_are_named(tmp_path):
-    with pytest.raises(RecordedBatchError, match="step_000002.safetensors: no recorded batch"):
+    with pytest.raises(
+        RecordedBatchError, match="step_000002.safetensors is missing; record the step again"
+    ):
         read_recorded_batch(tmp_path, 2)
     path = write_recorded_batch(tmp_path, RecordedBatch(2, _samples(), [3]))
     path.write_bytes(path.read_bytes()[:-10])  # cut short, as by a full disk
-    with pytest.raises(RecordedBatchError, match="step_000002.safetensors: damaged"):
+    with pytest.raises(RecordedBatchError, match="step_000002.safetensors is damaged"):
         read_recorded_batch(tmp_path, 2)
     assert "damaged" in check_recorded_batch(tmp_path, 2)
     path.write_bytes(b"not a safetensors file")

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import base64
 import json
+import os
 import pickle
+import stat
 
 import pytest
 import torch
@@ -59,6 +61,18 @@ def test_written_checkpoint_loads_in_transformers(architecture, tmp_path):
         assert torch.equal(param, dict(loaded.named_parameters())[name]), name
     names = sorted(name for name, _ in iter_safetensors_directory(str(tmp_path)))
     assert names == engine._layout.disk_names
+
+
+def test_checkpoint_files_follow_the_umask(tmp_path):
+    """safetensors creates 0600 files; the shards of a checkpoint other users read get the
+    mode of any file this process creates."""
+    previous = os.umask(0o027)
+    try:
+        write_hf_checkpoint([("a", torch.zeros(2))], str(tmp_path), config_json="{}")
+    finally:
+        os.umask(previous)
+    shard = tmp_path / "model-00001-of-00001.safetensors"
+    assert stat.S_IMODE(shard.stat().st_mode) == 0o640
 
 
 def test_checkpoint_refuses_repeated_names(tmp_path):
