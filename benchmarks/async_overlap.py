@@ -8,7 +8,10 @@ all of them alike:
 * ``async1`` / ``async2``: ``max_staleness`` 1 / 2, the loopback server in a process of its own
   (``rollout.engine=embedded_http rollout.embedded_server_process=true``), partial rollouts;
 * ``async1_thread`` (``--thread``): ``max_staleness=1`` with the embedded engine generating in a
-  thread of the trainer, which shares the trainer's Python interpreter lock.
+  thread of the trainer, which shares the trainer's Python interpreter lock;
+* ``async1_proc``: ``async1`` with two producer processes (``rollout.producer_processes=2``):
+  episode stepping, answer decoding, reward dispatch and sample building run beside the trainer
+  instead of in its producer thread, and two chunks may be in flight at once.
 
 Every process runs ``--threads`` torch threads (default 1: trainer and engine then each have one
 of the two cores of the CI machine; OpenMP barriers across more threads than cores cost more
@@ -20,7 +23,11 @@ than they gain on a shared box). Scenarios:
 * ``large``: ``long`` with a model of 16x the parameters (hidden 256, 4 layers) and the
   engine's log-probs as the old policy: generation and training take seconds each, so the
   per-sample Python work of the producer (HTTP, parsing, reward calls; it shares the trainer's
-  interpreter lock) is small next to them.
+  interpreter lock) is small next to them;
+* ``tool``: multi-turn episodes of the CPU tool-use task (``env.name=multiply_tool``, the
+  calculator unconfined, at most 3 turns, 16 prompts x 8 episodes) after a short supervised
+  cold start (20 steps of demonstrations at lr 1e-2, before step 0: not timed) so that the
+  episodes call the tool; ``env/turns_mean`` is reported.
 
 Besides wall-clock times, the CPU seconds per step of each process (psutil, from outside):
 the trainer's main thread, its other threads (the producer), the loopback server and the reward
@@ -40,6 +47,7 @@ Usage (from the repository root)::
     python benchmarks/async_overlap.py                   # 8 steps, 2 rounds, every scenario
     python benchmarks/async_overlap.py --quick           # 4 steps, 1 round: a few minutes
     python benchmarks/async_overlap.py --thread --json   # + the in-process thread engine; JSON
+    python benchmarks/async_overlap.py --scenarios demo,tool --json   # the issue-27 scenarios
 """
 
 from __future__ import annotations
@@ -78,6 +86,22 @@ SCENARIOS = {
         "model.moe_ffn_hidden_size=256",
         "algo.old_log_prob_source=rollout",
     ],
+    # Multi-turn tool use (docs/agentic.md): the episodes' environment steps (a calculator
+    # program each), decoding and sample building are per-sample Python work.
+    "tool": [
+        "data.task=multiply",
+        "model.vocab_size=24",
+        "env.name=multiply_tool",
+        "env.max_turns=3",
+        "env.max_tokens_per_turn=12",
+        "+env.options.isolation=none",
+        "reward.functions=[]",
+        "algo.response_length=32",
+        "algo.rollout_batch_size=16",
+        "algo.importance_sampling=seq_token",
+        "sft_warmup_steps=20",
+        "sft_warmup_lr=0.01",
+    ],
 }
 SERVER_PROCESS = ["rollout.engine=embedded_http", "rollout.embedded_server_process=true"]
 VARIANTS = {
@@ -85,8 +109,11 @@ VARIANTS = {
     "async1": ["rollout.max_staleness=1", *SERVER_PROCESS],
     "async2": ["rollout.max_staleness=2", *SERVER_PROCESS],
     "async1_thread": ["rollout.max_staleness=1"],
+    "async1_proc": ["rollout.max_staleness=1", "rollout.producer_processes=2", *SERVER_PROCESS],
 }
-GENERATION_KEYS = ("time/rollout_s", "time/reward_s")
+GENERATION_KEYS = ("time/rollout_s", "time/reward_s", "time/env_s")
+"""A synchronous step's generation phase: the engine's calls, scoring and (episodes) the
+environments' steps."""
 TRAINING_KEYS = ("time/old_log_probs_s", "time/advantages_s", "time/update_s", "time/weight_sync_s")
 
 
@@ -99,13 +126,18 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=8, help="RL steps per run")
     parser.add_argument("--rounds", type=int, default=2, help="runs of each variant")
     parser.add_argument(
-        "--scenarios", default="demo,long,large", help="comma-separated: demo, long, large"
+        "--scenarios", default="demo,long,large", help="comma-separated: demo, long, large, tool"
     )
     parser.add_argument(
         "--long-tokens", type=int, default=48, help="response length of long, large"
     )
     parser.add_argument("--threads", type=int, default=1, help="torch threads per process")
     parser.add_argument("--thread", action="store_true", help="also the in-process thread engine")
+    parser.add_argument(
+        "--variants",
+        default="sync,async1,async2,async1_proc",
+        help="comma-separated, in run order: sync (always first), async1, async2, async1_proc",
+    )
     parser.add_argument("--quick", action="store_true", help="4 steps, 1 round")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--keep", default=None, help="keep the run directories here")
@@ -130,7 +162,7 @@ def run_variant(
     if scenario in ("long", "large"):
         tokens = args.long_tokens
         overrides += [f"algo.response_length={tokens}", f"rollout.min_new_tokens={tokens}"]
-    if variant in ("async1", "async2"):
+    if variant in ("async1", "async2", "async1_proc"):
         overrides.append(f"rollout.engine_threads={args.threads}")
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "PYTHONPATH": str(REPO_ROOT)}
     command = [sys.executable, "-m", "megatron_gspo.train", *overrides]
@@ -155,7 +187,9 @@ class CpuMeter:
     after the first: the trainer's main thread (training), its other threads (the producer:
     HTTP, sample assembly, reward dispatch), the loopback server process (generation) and the
     rest (reward workers). On a machine shared with other work, wall-clock times stretch with
-    the load but CPU times hardly do: they say what an idle machine would see."""
+    the load but CPU times hardly do: they say what an idle machine would see. Producer
+    processes (``rollout.producer_processes``, started by ``multiprocessing``'s spawn) are
+    counted apart."""
 
     def __init__(self, pid: int, metrics_path: Path):
         import psutil
@@ -174,7 +208,13 @@ class CpuMeter:
     def _cpu(self) -> dict[str, float]:
         import psutil
 
-        parts = {"trainer_main": 0.0, "trainer_threads": 0.0, "server": 0.0, "other": 0.0}
+        parts = {
+            "trainer_main": 0.0,
+            "trainer_threads": 0.0,
+            "server": 0.0,
+            "producers": 0.0,
+            "other": 0.0,
+        }
         try:
             for thread in self.trainer.threads():
                 seconds = thread.user_time + thread.system_time
@@ -187,10 +227,16 @@ class CpuMeter:
         for child in children:
             try:
                 times = child.cpu_times()
-                server = "megatron_gspo.rollout.server" in " ".join(child.cmdline())
+                command = " ".join(child.cmdline())
             except psutil.Error:
                 continue
-            parts["server" if server else "other"] += times.user + times.system
+            if "megatron_gspo.rollout.server" in command:
+                part = "server"
+            elif "multiprocessing.spawn" in command:
+                part = "producers"
+            else:
+                part = "other"
+            parts[part] += times.user + times.system
         return parts
 
     def sample(self) -> None:
@@ -246,6 +292,7 @@ def summarize(records: list[dict]) -> dict[str, float]:
         "overlap_frac": "overlap_frac",
         "trainer_wait_s": "trainer_wait_s",
         "partial_sample_frac": "partial_sample_frac",
+        "turns_mean": "env/turns_mean",
     }
     for name, key in keys.items():
         values = [r[key] for r in steady if key in r]
@@ -256,7 +303,8 @@ def summarize(records: list[dict]) -> dict[str, float]:
 
 def cpu_ratio(run: dict, sync: dict) -> Optional[float]:
     """What ``step_over_max_phase`` would be without the machine's other load: the step's
-    busiest process (trainer, or loopback server with the reward workers) in CPU seconds, over
+    busiest process (trainer, loopback server with the reward workers, or the producer
+    processes together) in CPU seconds, over
     the sync run's max(generation, training) scaled by that run's CPU / wall (the share of its
     wall time the sync trainer got a core; the load stretches both phases alike)."""
     keys = ("cpu_trainer_main_s", "cpu_trainer_threads_s", "cpu_server_s", "cpu_other_s")
@@ -264,18 +312,25 @@ def cpu_ratio(run: dict, sync: dict) -> Optional[float]:
         return None
     trainer = run["cpu_trainer_main_s"] + run["cpu_trainer_threads_s"]
     engine = run["cpu_server_s"] + run["cpu_other_s"]
+    producers = run.get("cpu_producers_s", 0.0)
     sync_cpu = sum(sync[key] for key in keys)
     sync_share = min(1.0, sync_cpu / sync["cpu_wall_s"])
-    return max(trainer, engine) / (max(sync["generation_s"], sync["training_s"]) * sync_share)
+    busiest = max(trainer, engine, producers)
+    return busiest / (max(sync["generation_s"], sync["training_s"]) * sync_share)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     scenarios = [s.strip() for s in args.scenarios.split(",") if s.strip()]
-    variants = ["sync", "async1", "async2"] + (["async1_thread"] if args.thread else [])
+    variants = ["sync"] + [v.strip() for v in args.variants.split(",") if v.strip() != "sync"]
+    variants += ["async1_thread"] if args.thread else []
+    unknown = [variant for variant in variants if variant not in VARIANTS]
+    if unknown:
+        raise SystemExit(f"unknown variants {unknown}; these exist: {sorted(VARIANTS)}")
     root = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="async_overlap_"))
     results: dict[str, dict[str, list[dict]]] = {s: {v: [] for v in variants} for s in scenarios}
     started = time.time()
+    load_at_start = round(os.getloadavg()[0], 2)
     for round_index in range(args.rounds):
         for scenario in scenarios:
             for variant in variants:
@@ -289,6 +344,8 @@ def main(argv: list[str] | None = None) -> int:
                 )
     report = {
         "machine": f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f} at the end",
+        "cpu_model": cpu_model(),
+        "load_average_at_start": load_at_start,
         "threads_per_process": args.threads,
         "steps": args.steps,
         "rounds": args.rounds,
@@ -324,8 +381,9 @@ def main(argv: list[str] | None = None) -> int:
 
 def print_table(report: dict) -> None:
     print(
-        f"# async_overlap: {report['machine']}; {report['threads_per_process']} torch thread(s) "
-        f"per process; {report['steps']} steps x {report['rounds']} rounds"
+        f"# async_overlap: {report['machine']} ({report['cpu_model']}; load average "
+        f"{report['load_average_at_start']} at the start); {report['threads_per_process']} torch "
+        f"thread(s) per process; {report['steps']} steps x {report['rounds']} rounds"
     )
     for scenario, rows in report["scenarios"].items():
         sync = rows["sync"]
@@ -336,9 +394,9 @@ def print_table(report: dict) -> None:
         print(
             "| variant | step s | tokens/s | step / max(gen, train) | CPU: step / max | vs sync "
             "| staleness | overlap | update s | sync s | CPU s/step trainer (main+other) "
-            "| CPU s/step engine (server+rewards) |"
+            "| CPU s/step engine (server+rewards) | CPU s/step producer processes | turns |"
         )
-        print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+        print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
         for variant, row in rows.items():
             print(
                 f"| {variant} | {row['step_s']:.3f} | {row['tokens_per_s']:.0f} | "
@@ -347,8 +405,20 @@ def print_table(report: dict) -> None:
                 f"{_number(row, 'overlap_frac')} | {_number(row, 'update_s', 3)} | "
                 f"{_number(row, 'weight_sync_s', 3)} | "
                 f"{_number(row, 'cpu_trainer_main_s', 3)}+{_number(row, 'cpu_trainer_threads_s', 3)} | "
-                f"{_number(row, 'cpu_server_s', 3)}+{_number(row, 'cpu_other_s', 3)} |"
+                f"{_number(row, 'cpu_server_s', 3)}+{_number(row, 'cpu_other_s', 3)} | "
+                f"{_number(row, 'cpu_producers_s', 3)} | {_number(row, 'turns_mean')} |"
             )
+
+
+def cpu_model() -> str:
+    """The CPU's model name (``/proc/cpuinfo``; ``lscpu``'s "Model name"), for the report."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "unknown"
 
 
 def _number(row: dict, key: str, digits: int = 2) -> str:

@@ -59,6 +59,7 @@ def run(cfg: TrainConfig) -> list[dict]:
             cfg, rank=engine.parallel.rank, resources=resources, weights=engine.hf_weights
         )
         advantage_settings = algo.advantage_settings(cfg.algo)
+        distillation_settings = algo.distillation_settings(cfg.algo)
         collapse = CollapseGuard(
             cfg.optim.max_collapsed_steps, vocab_size=cfg.model.vocab_size, lr=cfg.optim.lr
         )
@@ -86,7 +87,7 @@ def run(cfg: TrainConfig) -> list[dict]:
                 set_old_log_probs(engine, samples, cfg.algo)
             with _timed(timings, "advantages"):
                 advantage_stats = assign_advantages(
-                    samples, advantage_settings, state.reward_moments
+                    samples, advantage_settings, state.reward_moments, distillation_settings
                 )
             with _timed(timings, "update"):
                 update_stats = update_policy(engine, samples, cfg.algo, seed=cfg.seed, step=step)

@@ -54,6 +54,14 @@ off-policy (``rollout.max_staleness=1``):
   grpo_async      grpo + max_staleness=1, old log-probs recomputed, no correction
   grpo_async_tis  grpo_async + token-level TIS toward the engine's policy (min(pi_prox / mu, 2))
 
+The distillation suite (``--suite distillation``, docs/distillation.md): RL against on-policy
+distillation from a teacher against both, all GSPO-token; the teacher is an override,
+``-- models.teacher.hf_path=DIR`` (the one ``tools/distillation_curve.py`` exports):
+
+  rl          GSPO-token on the task's reward
+  distill     the advantage of each token is the teacher's -(log pi_student - log pi_teacher)
+  rl_distill  GSPO-token's advantage plus that term (slime's --opd-kl-coef form)
+
 The attribution suite (``--suite attribution``, tools/compare_attribution.py): starting from
 the exact fp32 twin, one source of training-inference mismatch at a time and in combination (the
 engine's precision, its batch composition, staleness) crossed with the corrections (TIS, MIS,
@@ -69,6 +77,14 @@ tokens); ``paper`` lowers it to 1e-3 so that one update moves token ratios littl
 paper (GRPO clips ~0.1-0.3% of tokens there); ``volatile`` gives routing room to move (4 MoE
 layers of 32 experts, top-4, the demo's learning rate: about twice the demo's expert
 volatility). ``--quick`` (what CI runs) uses ``paper``.
+
+Model families (``--architecture``): ``qwen3_moe`` (the default: the CPU demo's tiny Qwen3-MoE,
+or the preset's model), ``glm4_moe`` (the same tiny sizes as GLM-4.5: layer 0 dense, layer 1
+routed by a sigmoid router with the correction bias, 8 experts in 2 groups with one group per
+token, top-2 scaled by 2.5, a shared expert, partial RoPE, q/k/v bias) and ``deepseek_v3`` (the
+same router with multi-head latent attention and YaRN). The routing metrics (expert volatility
+``routing_change_frac``, R3's ``routing_mismatch_vs_rollout``) are reported for every family;
+docs/compare_grpo_gspo.md, "Other model families".
 
 Writes to --out: one run directory per variant, summary.json, summary.md and PNG plots (reward,
 clip fraction on a log scale, routing change, trainer-vs-rollout log-prob gap).
@@ -93,6 +109,7 @@ Examples:
       --sglang-python /venvs/sglang/bin/python --out mismatch_sglang/
   python tools/compare_grpo_gspo.py --suite async --steps 20 --out async/
   python tools/compare_grpo_gspo.py --quick --seeds 4 --jobs 2 --out compare_seeds/
+  python tools/compare_grpo_gspo.py --quick --architecture deepseek_v3 --out compare_deepseek/
   python tools/compare_grpo_gspo.py --suite attribution --quick --seeds 2 --jobs 2 \\
       --sources bf16,fp16,batch1,stale1 --corrections none,tis,r3 --out attribution/
   python tools/compare_grpo_gspo.py --out compare/ --steps 100 -- model.hf_path=/models/Qwen3-30B-A3B
@@ -113,6 +130,7 @@ import statistics
 import subprocess
 import sys
 import time
+import traceback
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # also when loaded by path (tests)
@@ -133,6 +151,7 @@ GSPO = ["algo.importance_sampling=seq", "algo.clip_low=3e-4", "algo.clip_high=4e
 GRPO = ["algo.importance_sampling=token", "algo.clip_low=0.2", "algo.clip_high=0.27"]
 RECOMPUTE = ["algo.old_log_prob_source=recompute"]
 ROLLOUT = ["algo.old_log_prob_source=rollout"]
+GSPO_TOKEN = ["algo.importance_sampling=seq_token", "algo.clip_low=3e-4", "algo.clip_high=4e-4"]
 SUITES: dict[str, dict[str, list[str]]] = {
     "standard": {
         "gspo": [*GSPO, *RECOMPUTE],
@@ -173,6 +192,14 @@ SUITES: dict[str, dict[str, list[str]]] = {
             "algo.rollout_correction.level=token",
         ],
     },
+    # RL against on-policy distillation against both (docs/distillation.md), all GSPO-token
+    # (per-token advantages); the teacher comes with the overrides:
+    # -- models.teacher.hf_path=DIR (tools/distillation_curve.py exports the CPU demo's).
+    "distillation": {
+        "rl": [*GSPO_TOKEN, *RECOMPUTE],
+        "distill": [*GSPO_TOKEN, *RECOMPUTE, "algo.distillation.mode=pure"],
+        "rl_distill": [*GSPO_TOKEN, *RECOMPUTE, "algo.distillation.mode=added"],
+    },
     # Every (source, correction) pair; --sources and --corrections pick the runs.
     "attribution": compare_attribution.VARIANTS,
 }
@@ -180,6 +207,7 @@ SUITE_COMMON = {
     "standard": [],
     "mismatch": ["rollout.dtype=bfloat16"],
     "async": [],
+    "distillation": [],
     "attribution": [],  # the suite's own come from its options (compare_attribution)
 }
 REGIMES: dict[str, list[str]] = {
@@ -194,6 +222,47 @@ REGIMES: dict[str, list[str]] = {
     # this model can give (docs/compare_grpo_gspo.md, "The volatile regime").
     "volatile": ["model.num_layers=4", "model.num_experts=32", "model.moe_router_topk=4"],
 }
+# The tiny models of the other MoE families (docs/glm4-moe.md, docs/deepseek-v3.md): the default
+# tiny sizes (hidden 64, 2 layers, 8 experts of 48, top-2) with the family's own structure, as in
+# tests/e2e/test_glm4_moe.py and the layout tests' models.
+GLM4_MOE = [
+    "model.architecture=glm4_moe",
+    "model.first_k_dense_layers=1",
+    "model.shared_expert_intermediate_size=48",
+    "model.moe_router_num_groups=2",
+    "model.moe_router_group_topk=1",
+    "model.moe_router_topk_scaling_factor=2.5",
+    "model.rotary_percent=0.5",
+    "model.add_qkv_bias=true",
+]
+DEEPSEEK_V3 = [
+    "model.architecture=deepseek_v3",
+    "model.num_query_groups=4",  # MLA: one key/value per head
+    "model.first_k_dense_layers=1",
+    "model.shared_expert_intermediate_size=48",
+    "model.moe_router_num_groups=2",
+    "model.moe_router_group_topk=1",
+    "model.moe_router_topk_scaling_factor=2.5",
+    "model.qk_layernorm=false",
+    "model.q_lora_rank=32",
+    "model.kv_lora_rank=16",
+    "model.qk_nope_head_dim=16",
+    "model.qk_rope_head_dim=16",
+    "model.v_head_dim=12",
+    "model.rope_theta=10000",
+    "model.rope_scaling_factor=4.0",
+    "model.rope_scaling_original_max_position_embeddings=32",
+    "model.yarn_mscale_all_dim=1.0",
+]
+ARCHITECTURES: dict[str, list[str]] = {
+    "qwen3_moe": [],  # the schema's defaults: the CPU demo's tiny Qwen3-MoE
+    "glm4_moe": GLM4_MOE,
+    "deepseek_v3": DEEPSEEK_V3,
+}
+GROUPED_VOLATILE = ["model.moe_router_num_groups=4", "model.moe_router_group_topk=2"]
+"""The volatile regime's top-4 of 32 experts for the grouped families: 4 groups of 8, 2 per
+token, so that top-k / chosen groups stays 2, the one grouping Megatron and HF rank alike
+(docs/glm4-moe.md, section 2)."""
 # The tool owns the variant folders under --out: a rerun replaces a variant's previous run
 # (--skip-existing keeps the finished ones instead).
 COMMON = [
@@ -286,6 +355,15 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
         help="--rollout-engine sglang: where SGLang runs (default: cuda when torch sees a GPU); "
         "cpu adds the CPU backend's flags and environment",
     )
+    parser.add_argument(
+        "--architecture",
+        choices=list(ARCHITECTURES),
+        default=None,
+        help="the model family of every variant's tiny model: qwen3_moe (the CPU demo's), "
+        "glm4_moe (GLM-4.5's router, shared expert, dense first layer, partial RoPE) or "
+        "deepseek_v3 (the same router with multi-head latent attention and YaRN); default: the "
+        "preset's model. Not with --preset or a model.hf_path override",
+    )
     compare_attribution.add_arguments(parser)
     parser.add_argument("--preset", default=None, help="preset name or YAML path for every run")
     parser.add_argument("--steps", type=int, default=None, help="RL steps per variant")
@@ -330,6 +408,18 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
         "(default: the current Python)",
     )
     parser.add_argument(
+        "--one-process",
+        action="store_true",
+        help="run the variants one after another in this process instead of one process each "
+        "(tiny CPU runs: start-up paid once); one process, the embedded engine, one seed",
+    )
+    parser.add_argument(
+        "--no-plots",
+        action="store_true",
+        help="summary.json and summary.md only, no PNG plots (matplotlib's import and drawing "
+        "are a tiny run's slowest part after the start-up); one seed",
+    )
+    parser.add_argument(
         "--skip-existing",
         action="store_true",
         help="reuse a variant's metrics.jsonl if its run already finished",
@@ -358,7 +448,10 @@ def base_overrides(args: argparse.Namespace, overrides: list[str]) -> list[str]:
         run_overrides += QUICK
         if args.rollout_engine == "sglang":
             run_overrides += QUICK_SGLANG
+    run_overrides += architecture_overrides(args)
     run_overrides += REGIMES[regime_of(args)]
+    if args.architecture in ("glm4_moe", "deepseek_v3") and regime_of(args) == "volatile":
+        run_overrides += GROUPED_VOLATILE
     if args.steps is not None:
         run_overrides.append(f"steps={args.steps}")
     if args.seed is not None and seeds_of(args) is None:
@@ -366,6 +459,11 @@ def base_overrides(args: argparse.Namespace, overrides: list[str]) -> list[str]:
     if args.suite == "attribution":  # after --quick's mini-batches, before the user's
         run_overrides += compare_attribution.common_overrides(args)
     return run_overrides + overrides  # the user's overrides apply to every variant
+
+
+def architecture_overrides(args: argparse.Namespace) -> list[str]:
+    """The model family's tiny model (none without ``--architecture``: the preset's model)."""
+    return list(ARCHITECTURES[args.architecture]) if args.architecture else []
 
 
 def seeds_of(args: argparse.Namespace) -> list[int] | None:
@@ -400,6 +498,23 @@ def run_command(
     run_overrides += SUITES[args.suite][variant]  # the variant's own come last
     run_overrides.append(f"output_dir={run_dir_of(Path(args.out), variant, seed)}")
     return command + run_overrides
+
+
+def run_in_this_process(command: list[str]) -> int:
+    """One variant's run by ``megatron_gspo.train.main`` in the tool's own process
+    (``--one-process``): the imports and Megatron's start-up, most of a tiny run's time, are paid
+    once for all variants. The trainer tears its process group and engine down at the end of a
+    run, so the next one starts as a fresh process would (a run's metrics are the same)."""
+    from megatron_gspo.train import main as train_main
+
+    arguments = command[command.index("megatron_gspo.train") + 1 :]
+    try:
+        return train_main(arguments)
+    except SystemExit as exit:
+        return exit.code if isinstance(exit.code, int) else 1
+    except Exception:  # the variant failed; the others still run, as with a subprocess
+        traceback.print_exc()
+        return 1
 
 
 def previous_engine(out: Path) -> str | None:
@@ -574,9 +689,13 @@ def summarize(
     suite: str = "standard",
     regime: str = "demo",
     rollout_engine: str | None = None,
+    architecture: str | None = None,
+    plots: bool = True,
 ) -> dict:
     runs = {variant: read_metrics(out / variant) for variant in variants}
     summary: dict = {"suite": suite, "regime": regime, "variants": {}}
+    if architecture is not None:
+        summary["architecture"] = architecture
     if rollout_engine is not None:
         summary["rollout_engine"] = rollout_engine
     for variant in variants:
@@ -587,7 +706,9 @@ def summarize(
     summary["clip_frac_token_ratio_gspo_over_grpo"] = (
         gspo / grpo if gspo is not None and grpo else None
     )
-    summary["plots"] = plot({variant: [records] for variant, records in runs.items()}, out)
+    summary["plots"] = (
+        plot({variant: [records] for variant, records in runs.items()}, out) if plots else []
+    )
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     write_markdown(summary, out / "summary.md")
     return summary
@@ -618,6 +739,7 @@ def summarize_seeds(
     threshold: float,
     collapse_drop: float,
     rollout_engine: str | None = None,
+    architecture: str | None = None,
 ) -> dict:
     """summary.json, summary.md and the banded plots of a comparison over ``seeds``."""
     runs = {
@@ -631,6 +753,7 @@ def summarize_seeds(
         "interval": "95% Student-t over seeds",
         "reward_threshold": threshold,
         "collapse_drop": collapse_drop,
+        **({"architecture": architecture} if architecture is not None else {}),
         "variants": {},
         "paired": {},
     }
@@ -748,6 +871,34 @@ def main(argv: list[str] | None = None) -> int:
                 "compare_grpo_gspo.py: --suite attribution: " + "; ".join(problems), file=sys.stderr
             )
             return 2
+    if args.architecture and (
+        args.preset or any(o.startswith(("model.hf_path=", "+model.hf_path=")) for o in overrides)
+    ):
+        print(
+            "compare_grpo_gspo.py: --architecture builds a tiny model of that family; the preset "
+            "or model.hf_path names a model already: give one or the other",
+            file=sys.stderr,
+        )
+        return 2
+    if args.one_process and (
+        args.launcher
+        or args.seeds > 1
+        or args.rollout_engine != "embedded"
+        or args.suite == "attribution"
+    ):
+        print(
+            "compare_grpo_gspo.py: --one-process runs one seed of each variant in this process "
+            "on the embedded engine: not with --launcher, --seeds, --rollout-engine sglang or "
+            "--suite attribution",
+            file=sys.stderr,
+        )
+        return 2
+    if args.no_plots and (args.seeds > 1 or args.suite == "attribution"):
+        print(
+            "compare_grpo_gspo.py: --no-plots is for one seed outside the attribution suite",
+            file=sys.stderr,
+        )
+        return 2
     if args.seeds < 1 or args.jobs < 1:
         print(
             f"--seeds ({args.seeds}) and --jobs ({args.jobs}) must be at least 1", file=sys.stderr
@@ -793,7 +944,10 @@ def main(argv: list[str] | None = None) -> int:
         command = run_command(args, variant, overrides, sglang, port)
         print(f"[compare] {variant}: {shlex.join(command)}", flush=True)
         started = time.perf_counter()
-        code = subprocess.call(command, env=env)
+        if args.one_process:
+            code = run_in_this_process(command)
+        else:
+            code = subprocess.call(command, env=env)
         timing[variant] = (time.perf_counter() - started, code)
         if code != 0:
             failed.append(variant)
@@ -805,6 +959,8 @@ def main(argv: list[str] | None = None) -> int:
         suite=args.suite,
         regime=regime_of(args),
         rollout_engine=sglang.describe() if sglang else previous_engine(out),
+        architecture=args.architecture,
+        plots=not args.no_plots,
     )
     print((out / "summary.md").read_text())
     print(f"[compare] wrote {out / 'summary.json'}, summary.md and {', '.join(summary['plots'])}")
@@ -886,6 +1042,7 @@ def compare_over_seeds(
         threshold=args.reward_threshold,
         collapse_drop=args.collapse_drop,
         rollout_engine=sglang.describe() if sglang else previous_engine(out),
+        architecture=args.architecture,
     )
     print((out / "summary.md").read_text())
     print(f"[compare] wrote {out / 'summary.json'}, summary.md and {', '.join(summary['plots'])}")

@@ -20,7 +20,8 @@ For every preset of examples/moe/ this composes the preset exactly as
   SGLang CPU server that the run launches itself from SGLang's own venv
   (``$MEGATRON_GSPO_SGLANG_VENV``): the preset's dtype, weight transport and request settings,
   the CPU backend's flags (docs/sglang-protocol.md, sections 6 and 7), tp/ep 1 and no memory
-  release (GPU-only: SGLang has no memory saver without CUDA).
+  release (GPU-only: SGLang has no memory saver without CUDA); DeepSeek-V3's presets sample with
+  the embedded engine (SGLang's CPU backend cannot serve its attention, docs/deepseek-v3.md).
 
 Then, per preset, timed stages: ``prepare`` (checkpoint, tokenizer, data), ``train`` (``steps=N``,
 a checkpoint every step), ``resume`` (the same command with ``resume=true steps=2N``; it must
@@ -34,6 +35,7 @@ Examples::
 
     python tools/rehearse_presets.py roll_gspo
     python tools/rehearse_presets.py --all --record        # rewrites the table in docs/rehearsal.md
+    python tools/rehearse_presets.py glm45_air_gspo_4node --record   # replaces that preset's row
     python tools/rehearse_presets.py qwen3_30b_a3b_grpo_r3 --steps 3 --out /tmp/rehearsal
     python tools/rehearse_presets.py --all --plan-only     # what would be scaled and kept
 """
@@ -71,6 +73,8 @@ GPU_PRESETS = (
     "qwen3_30b_a3b_gspo_4node",
     "qwen3_30b_a3b_grpo_r3",
     "mixtral_8x7b_gspo",
+    "glm45_air_gspo_4node",
+    "deepseek_v3_shaped_gspo_4node",
     "roll_gspo",
 )
 CPU_PRESETS = ("cpu_demo", "cpu_tiny_4proc", "cpu_tool_use")
@@ -81,6 +85,8 @@ PRESET_WORLD = {
     "qwen3_30b_a3b_gspo_4node": 32,
     "qwen3_30b_a3b_grpo_r3": 32,
     "mixtral_8x7b_gspo": 32,
+    "glm45_air_gspo_4node": 32,
+    "deepseek_v3_shaped_gspo_4node": 32,
     "roll_gspo": 1,
     "cpu_demo": 1,
     "cpu_tiny_4proc": 4,
@@ -105,6 +111,16 @@ TINY_MODEL = {
 """Dimensions of a rehearsal model. Expert width 64: a multiple of 32, so SGLang's AMX CPU kernels
 can pack every expert weight (docs/sglang-protocol.md, section 7)."""
 
+TINY_LATENT_ATTENTION = {
+    "q_lora_rank": 32,
+    "kv_lora_rank": 16,
+    "qk_nope_head_dim": 16,
+    "qk_rope_head_dim": 16,
+    "v_head_dim": 16,
+}
+"""Multi-head latent attention's widths in a rehearsal model (DeepSeek-V3: ranks 1536 and 512,
+head widths 128 + 64, values 128); ``head_dim`` (16) is the rotary width, as HF sets it."""
+
 QWEN_VOCAB_ROWS = 151_936
 """Qwen3's embedding rows: the real Qwen tokenizer (151,669 tokens) fits, so it is kept."""
 MIXTRAL_SPECIAL_TOKENS = ("<unk>", "<s>", "</s>")
@@ -127,6 +143,14 @@ def length_reward(sample: Any) -> float:
     16 random BPE tokens are nearly always longer than any small bound)."""
     return 0.1 * (len(sample.response) % 11) / 10
 
+
+SGLANG_CPU_UNSERVED = {
+    "deepseek_v3": "SGLang's CPU backend cannot serve multi-head latent attention (its attention "
+    "reads MLA's latent KV pool as per-head values: docs/deepseek-v3.md, section 8); the "
+    "embedded engine generates instead, the trainer's part is the preset's",
+}
+"""Architectures a preset serves with SGLang that SGLang's CPU backend cannot serve, and why:
+their rehearsal samples with the embedded engine."""
 
 RESPONSE_LENGTH = 16
 PROMPTS_PER_FILE = 64
@@ -357,6 +381,8 @@ def plan_rehearsal(
         groups = int(model["num_query_groups"])
         small_groups = tiny["num_attention_heads"] if groups == heads else 2
         small_layers = tiny["num_layers"] + min(int(model["first_k_dense_layers"]), 1)
+        # Every pipeline stage holds the same number of layers (config/tree.py).
+        small_layers = math.ceil(small_layers / layout["pp"]) * layout["pp"]
         expert_width = tiny["moe_ffn_hidden_size"]
         dense_width = (
             expert_width
@@ -377,6 +403,13 @@ def plan_rehearsal(
         }
         if int(model["shared_expert_intermediate_size"]) > 0:
             sizes["shared_expert_intermediate_size"] = tiny["shared_expert_intermediate_size"]
+        if int(model.get("moe_router_num_groups", 1)) > 1:
+            # Grouped routing at 8 experts: 2 groups, top-k / chosen groups kept at 2 (the one
+            # grouping Megatron and HF rank alike, docs/glm4-moe.md, section 2).
+            sizes["moe_router_num_groups"] = 2
+            sizes["moe_router_group_topk"] = max(1, sizes["moe_router_topk"] // 2)
+        if model["architecture"] == "deepseek_v3":
+            sizes.update(TINY_LATENT_ATTENTION)
         if model["architecture"] == "mixtral":
             plan.tokenizer = "mixtral"
             sizes["vocab_size"] = int(model["vocab_size"])  # a 32,000-token cut of Qwen's BPE
@@ -393,6 +426,8 @@ def plan_rehearsal(
                 why = "model dimensions scaled down"
                 if key == "moe_router_topk":
                     why = f"top-{model[key]} of {experts} experts -> the same sparsity at 8"
+                elif key in ("moe_router_num_groups", "moe_router_group_topk"):
+                    why = "2 groups of the 8 experts, top-k / chosen groups kept at 2"
                 elif key == "vocab_size":
                     why = "Qwen's real tokenizer (151,669 tokens) needs Qwen3's embedding rows"
                 plan.change(f"model.{key}", value, why, preset=model[key])
@@ -452,7 +487,21 @@ def plan_rehearsal(
             )
 
     # --- rollout engine ------------------------------------------------------------------
-    if rollout["engine"] == "sglang":
+    if rollout["engine"] == "sglang" and model.get("architecture") in SGLANG_CPU_UNSERVED:
+        plan.change(
+            "rollout.engine",
+            "embedded",
+            SGLANG_CPU_UNSERVED[model["architecture"]],
+            preset="sglang",
+        )
+        if rollout["sglang"]["release_memory"]:
+            plan.change(
+                "rollout.sglang.release_memory",
+                False,
+                "no SGLang server to release",
+                preset=True,
+            )
+    elif rollout["engine"] == "sglang":
         sglang = rollout["sglang"]
         if not sglang_python:
             plan.blocked = (
@@ -924,6 +973,75 @@ def record(results: list[Result], steps: int, command: str, plans_text: str) -> 
     DOC.write_text(text[:start] + "\n".join(body) + text[end:])
 
 
+def _plan_sections(text: str) -> dict[str, str]:
+    """``{preset: its "=== preset" section}`` of the tool's plan printout."""
+    sections: dict[str, str] = {}
+    for chunk in ("\n" + text.strip("\n")).split("\n=== ")[1:]:
+        sections[chunk.split("\n", 1)[0].strip()] = "=== " + chunk.rstrip()
+    return sections
+
+
+def without_rerun_presets(header: list[str], presets: list[str]) -> list[str]:
+    """The header's "Rows of ..." lines without ``presets`` (rerun now): a line naming only
+    rerun presets goes; the others keep their remaining names."""
+    kept = []
+    for line in header:
+        if line.startswith("Rows of ") and ": " in line:
+            names_part, rest = line[len("Rows of ") :].split(": ", 1)
+            names = [n for n in names_part.split(", ") if n.strip("`") not in presets]
+            if not names:
+                continue
+            line = f"Rows of {', '.join(names)}: {rest}"
+        kept.append(line)
+    return kept
+
+
+def record_rows(
+    results: list[Result], steps: int, command: str, plans_text: str, doc: Path = DOC
+) -> None:
+    """Replace (or add) the rows and plan printouts of ``results``' presets in the recorded
+    block of ``doc``, keeping every other preset's, and say when those rows were run: a preset
+    added or changed since the last ``--all --record`` without rerunning every preset."""
+    commit = subprocess.run(
+        ["git", "-C", str(REPO_ROOT), "rev-parse", "--short", "HEAD"],
+        capture_output=True,
+        text=True,
+    ).stdout.strip()
+    now = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
+    text = doc.read_text()
+    start, end = text.index(RECORD_START), text.index(RECORD_END)
+    lines = text[start:end].splitlines()
+    fence = lines.index("```text")
+    closing = len(lines) - 1 - lines[::-1].index("```")
+    rows = {line.split("`")[1]: line for line in lines[:fence] if line.startswith("| `")}
+    rows.update((r.preset, row) for r, row in zip(results, table(results)[2:]))
+    sections = _plan_sections("\n".join(lines[fence + 1 : closing]))
+    sections.update(_plan_sections(plans_text.replace(f"{REPO_ROOT}/", "")))
+    order = [name for name in ALL_PRESETS if name in rows]
+    header = [line for line in lines[1:fence] if line.startswith(("Last run:", "Rows of "))]
+    header = without_rerun_presets(header, [r.preset for r in results])
+    names = ", ".join(f"`{r.preset}`" for r in results)
+    header.append(
+        f"Rows of {names}: {now}, commit `{commit}` (with the working tree's changes), "
+        f"{cpu_model()} ({os.cpu_count()} cores), `{command}` ({steps} steps, then resumed to "
+        f"{2 * steps})."
+    )
+    body = [
+        RECORD_START,
+        "\n\n".join(header),
+        "",
+        *table([])[:2],
+        *(rows[name] for name in order),
+        "",
+        "What each rehearsal scaled and kept (the tool's own printout):",
+        "",
+        "```text",
+        "\n\n".join(sections[name] for name in ALL_PRESETS if name in sections),
+        "```",
+    ]
+    doc.write_text(text[:start] + "\n".join(body) + "\n" + text[end:])
+
+
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="python tools/rehearse_presets.py",
@@ -945,7 +1063,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser.add_argument(
         "--record",
         action="store_true",
-        help="rewrite the table of docs/rehearsal.md from this run (with --all)",
+        help="rewrite the table of docs/rehearsal.md from this run (with --all), or replace "
+        "the rows of the presets named (the others' rows stay, the header says when each ran)",
     )
     parser.add_argument(
         "--plan-only", action="store_true", help="print what would be scaled and kept; run nothing"
@@ -963,8 +1082,6 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     unknown = [p for p in args.presets if p not in ALL_PRESETS]
     if unknown:
         parser.error(f"unknown presets {unknown}; known: {', '.join(ALL_PRESETS)}")
-    if args.record and not args.all:
-        parser.error("--record rewrites the docs table of every preset: give --all")
     if args.steps < 1:
         parser.error("--steps must be at least 1")
     return args
@@ -1038,10 +1155,14 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     print("\n" + "\n".join(table(results)), flush=True)
     if args.record:
-        command = "python tools/rehearse_presets.py --all --record"
+        named = "--all" if args.all else " ".join(args.presets)
+        command = f"python tools/rehearse_presets.py {named} --record"
         if args.steps != 2:
             command += f" --steps {args.steps}"
-        record(results, args.steps, command, plan_log.getvalue())
+        if args.all:
+            record(results, args.steps, command, plan_log.getvalue())
+        else:
+            record_rows(results, args.steps, command, plan_log.getvalue())
         print(f"recorded in {DOC.relative_to(REPO_ROOT)}", flush=True)
     failed = [r for r in results if r.failed_stage]
     for result in failed:

@@ -33,6 +33,11 @@ from megatron_gspo.algo.corrections import (
     finish_correction_metrics,
     log_prob_gap,
 )
+from megatron_gspo.algo.distillation import (
+    DistillationSettings,
+    distillation_advantages,
+    teacher_reverse_kl,
+)
 from megatron_gspo.algo.kl import kl_estimate
 from megatron_gspo.algo.losses import (
     RATIO_FUNCTIONS,
@@ -43,6 +48,7 @@ from megatron_gspo.algo.losses import (
 )
 from megatron_gspo.algo.settings import (
     advantage_settings,
+    distillation_settings,
     policy_loss_settings,
     rollout_correction,
 )
@@ -64,6 +70,7 @@ __all__ = [
     "SURROGATES",
     "AdvantageSettings",
     "CorrectionWeights",
+    "DistillationSettings",
     "PolicyLossSettings",
     "RolloutCorrection",
     "RunningMoments",
@@ -74,6 +81,8 @@ __all__ = [
     "compute_advantages",
     "correction_metrics",
     "correction_weights",
+    "distillation_advantages",
+    "distillation_settings",
     "estimate_advantages",
     "finish_advantages",
     "finish_correction_metrics",
@@ -85,6 +94,7 @@ __all__ = [
     "policy_loss_settings",
     "rollout_correction",
     "sequence_log_ratio",
+    "teacher_reverse_kl",
     "turn_advantages",
     "whiten",
 ]

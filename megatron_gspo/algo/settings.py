@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Optional
 
 from megatron_gspo.algo.advantages import AdvantageSettings
 from megatron_gspo.algo.corrections import RolloutCorrection
+from megatron_gspo.algo.distillation import DistillationSettings
 from megatron_gspo.algo.losses import PolicyLossSettings
 
 if TYPE_CHECKING:
@@ -34,3 +35,16 @@ def policy_loss_settings(algo: AlgoConfig) -> PolicyLossSettings:
 def advantage_settings(algo: AlgoConfig) -> AdvantageSettings:
     """The settings of :func:`megatron_gspo.algo.compute_advantages` for ``algo``."""
     return AdvantageSettings(**algo.advantage_fields())
+
+
+def distillation_settings(algo: AlgoConfig) -> Optional[DistillationSettings]:
+    """The :class:`DistillationSettings` of ``algo.distillation``, or None (off). GSPO's
+    sequence ratio (``importance_sampling=seq``) gets the sequence mean of the teacher's term."""
+    distillation = algo.distillation
+    if not distillation.enabled:
+        return None
+    return DistillationSettings(
+        mode=distillation.mode,
+        kl_coef=distillation.kl_coef,
+        sequence_mean=algo.importance_sampling == "seq",
+    )

@@ -11,6 +11,7 @@ renamed keys) in :mod:`~megatron_gspo.config.schema`, Hydra composition in
 :mod:`~megatron_gspo.config.import_paths`. Everything a user or another package imports is here.
 """
 
+from megatron_gspo.config.agent import TOOL_CALL_FORMATS, AgentConfig
 from megatron_gspo.config.algo import (
     CORRECTION_BOUNDS,
     CORRECTION_LEVELS,
@@ -22,6 +23,8 @@ from megatron_gspo.config.algo import (
     GmpoConfig,
     RolloutCorrectionConfig,
 )
+from megatron_gspo.config.distillation import DISTILLATION_MODES, DistillationConfig
+from megatron_gspo.config.judge import JUDGE_FORMATS, JUDGE_TEMPLATE_FIELDS, JudgeConfig
 from megatron_gspo.config.loss_rules import (
     ADV_ESTIMATORS,
     IMPORTANCE_SAMPLING,
@@ -30,6 +33,11 @@ from megatron_gspo.config.loss_rules import (
     SURROGATES,
 )
 from megatron_gspo.config.model import ARCHITECTURES, ModelConfig, ParallelConfig
+from megatron_gspo.config.models import (
+    MODEL_ENGINES,
+    SAME_TOKENIZER_ROLES,
+    ExtraModelConfig,
+)
 from megatron_gspo.config.rollout import (
     EMBEDDED_MAX_BATCH_SIZE,
     ROLLOUT_DTYPES,
@@ -62,6 +70,11 @@ __all__ = [
     "CORRECTION_BOUNDS",
     "CORRECTION_LEVELS",
     "CORRECTION_MODES",
+    "DISTILLATION_MODES",
+    "DistillationConfig",
+    "ExtraModelConfig",
+    "MODEL_ENGINES",
+    "SAME_TOKENIZER_ROLES",
     "CheckpointConfig",
     "CispoConfig",
     "ConfigError",
@@ -69,9 +82,14 @@ __all__ = [
     "DataConfig",
     "EMBEDDED_MAX_BATCH_SIZE",
     "EnvConfig",
+    "AgentConfig",
+    "TOOL_CALL_FORMATS",
     "EvalConfig",
     "GmpoConfig",
     "IMPORTANCE_SAMPLING",
+    "JUDGE_FORMATS",
+    "JUDGE_TEMPLATE_FIELDS",
+    "JudgeConfig",
     "KL_ESTIMATORS",
     "LOSS_AGG_MODES",
     "LoggingConfig",

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from megatron_gspo.config import loss_rules
+from megatron_gspo.config.distillation import DistillationConfig
 from megatron_gspo.config.loss_rules import (
     SettingsError,
     check_advantages,
@@ -303,6 +304,9 @@ class AlgoConfig:
     rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
     """Importance weights between the old policy and the rollout engine's log-probs
     (level none|token|sequence, mode truncate|mask, low, high)."""
+    distillation: DistillationConfig = field(default_factory=DistillationConfig)
+    """On-policy distillation from a teacher model (mode off|pure|added, kl_coef, teacher;
+    docs/distillation.md)."""
 
     def __post_init__(self) -> None:
         # The rules of the algorithm core's settings first, on the values these keys make.
@@ -395,6 +399,7 @@ class AlgoConfig:
                 "dropped",
                 "set algo.num_return_sequences_in_group >= 2 or algo.dynamic_sampling=false",
             )
+        self._check_distillation()
         if self.surrogate == "gmpo" and self.add_token_level_kl:
             raise ConfigError(
                 "algo.add_token_level_kl",
@@ -413,6 +418,27 @@ class AlgoConfig:
                 "algo.rollout_correction.level=none",
             )
         self._warn_gspo_settings()
+
+    def _check_distillation(self) -> None:
+        distillation = self.distillation
+        if not distillation.enabled:
+            return
+        if self.old_log_prob_source == "detach":
+            raise ConfigError(
+                "algo.distillation.mode",
+                f"distillation ({distillation.mode}) with old_log_prob_source='detach'",
+                "the reverse KL log pi_student - log pi_teacher needs the student's log-probs of "
+                "the sampled tokens before the update, which 'detach' does not compute",
+                "use algo.old_log_prob_source=recompute or rollout",
+            )
+        if self.surrogate == "gmpo":
+            raise ConfigError(
+                "algo.distillation.mode",
+                "distillation with surrogate='gmpo'",
+                "GMPO multiplies one sequence ratio by one sequence advantage; the teacher's "
+                "signal is per token",
+                "use surrogate=clip (with importance_sampling=seq_token or token)",
+            )
 
     def _warn_gspo_settings(self) -> None:
         if self.importance_sampling == "token":

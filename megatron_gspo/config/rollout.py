@@ -111,6 +111,13 @@ class RolloutConfig:
     """torch threads of the child server process (rollout.embedded_server_process); null: torch's
     default (every core). On a machine where trainer and engine share few cores, 1 each avoids
     oversubscription (docs/async.md)."""
+    producer_processes: int = 0
+    """With max_staleness >= 1: processes that make samples from the engine's answers (episode
+    stepping, answer decoding, reward dispatch, sample building), each producing one chunk of
+    rollout_batch_size prompts at a time, so that this per-sample Python work runs beside the
+    trainer instead of under its interpreter lock; chunks in flight at once are at most this many
+    (and the staleness bound's). 0: one producer thread in the trainer process. Needs an engine
+    reachable over HTTP (embedded_http, sglang; docs/async.md)."""
     engine_restart_timeout_s: float = 120.0
     """How long a rollout engine that stopped answering may take to come back (a server this run launched is restarted, another is waited for) and to take the current
     weights again (from the disk weight transport's newest files); past it the run saves a
@@ -177,6 +184,23 @@ class RolloutConfig:
         check_positive("rollout.request_timeout_s", self.request_timeout_s)
         check_positive("rollout.max_retries", self.max_retries, allow_zero=True)
         check_positive("rollout.max_staleness", self.max_staleness, allow_zero=True)
+        check_positive("rollout.producer_processes", self.producer_processes, allow_zero=True)
+        if self.producer_processes and not self.max_staleness:
+            raise ConfigError(
+                "rollout.producer_processes",
+                f"producer_processes={self.producer_processes} with max_staleness=0",
+                "the producer processes work ahead of training; the synchronous loop has none",
+                "set rollout.max_staleness >= 1, or rollout.producer_processes=0",
+            )
+        if self.producer_processes and self.engine == "embedded":
+            raise ConfigError(
+                "rollout.producer_processes",
+                f"producer_processes={self.producer_processes} with rollout.engine=embedded",
+                "the embedded engine lives in the trainer process, which other processes cannot "
+                "call",
+                "set rollout.engine=embedded_http (with rollout.embedded_server_process=true) "
+                "or sglang, or rollout.producer_processes=0",
+            )
         check_positive(
             "rollout.engine_restart_timeout_s", self.engine_restart_timeout_s, allow_zero=True
         )

@@ -18,13 +18,18 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from megatron_gspo.config.agent import AgentConfig
 from megatron_gspo.config.algo import AlgoConfig
+from megatron_gspo.config.judge import JudgeConfig, judge_role_problems
 from megatron_gspo.config.model import ModelConfig, ParallelConfig
+from megatron_gspo.config.models import ExtraModelConfig, check_models
 from megatron_gspo.config.rollout import RolloutConfig
 from megatron_gspo.config.schema import (
     ConfigError,
+    StartupErrors,
     check_choice,
     check_positive,
+    from_dict,
     warn_config,
 )
 
@@ -131,6 +136,10 @@ class RewardConfig:
     """Keyword options per function, keyed like ``functions``, e.g.
     ``{format: {pattern: '^<answer>.*</answer>$'}, code: {timeout_s: 5}}``; the options each
     built-in accepts are the keyword arguments of its function in megatron_gspo.reward."""
+    judge: JudgeConfig = field(default_factory=JudgeConfig)
+    """A model-graded reward: a judge model (``models.<role>``) reads each sample through a
+    template and answers with a verdict or a score (megatron_gspo/config/judge.py;
+    docs/judges.md). Off while ``reward.judge.role`` is null."""
 
     def __post_init__(self) -> None:
         check_choice(
@@ -337,9 +346,63 @@ class TrainConfig:
     reward: RewardConfig = field(default_factory=RewardConfig)
     data: DataConfig = field(default_factory=DataConfig)
     env: EnvConfig = field(default_factory=EnvConfig)
+    agent: AgentConfig = field(default_factory=AgentConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    models: dict[str, Any] = field(default_factory=dict)
+    """Extra models by role name (teacher, judge, ...), each behind its own engine with its own
+    weights, never synced from the trainer: role -> the keys of an ``ExtraModelConfig``
+    (megatron_gspo/config/models.py; hf_path, engine, dtype, sglang, time limits), e.g.
+    ``models.teacher.hf_path=/path/to/hf_dir``; docs/distillation.md. After loading, each value
+    is an ``ExtraModelConfig``. (Declared as a mapping of any value because Hydra cannot add a
+    key to a mapping of dataclasses from the command line.)"""
+
+    def _check_models(self) -> None:
+        """The extra models' sections, and the roles the rest of the run names in them."""
+        self.models = {
+            role: model
+            if isinstance(model, ExtraModelConfig)
+            else from_dict(ExtraModelConfig, model, prefix=f"models.{role}.")
+            for role, model in self.models.items()
+        }
+        errors = check_models(self.models)
+        errors += judge_role_problems(self.reward.judge, self.models)
+        distillation = self.algo.distillation
+        if distillation.enabled and distillation.teacher not in self.models:
+            errors.append(
+                ConfigError(
+                    f"models.{distillation.teacher}",
+                    f"algo.distillation.mode={distillation.mode} names the teacher "
+                    f"{distillation.teacher!r}, which models does not hold "
+                    f"(roles: {sorted(self.models) or 'none'})",
+                    "the teacher scores the student's tokens through its own engine",
+                    f"set models.{distillation.teacher}.hf_path=/path/to/teacher_hf_dir",
+                )
+            )
+        teacher = self.models.get(distillation.teacher) if distillation.enabled else None
+        if teacher is not None and teacher.engine == "sglang" and self.rollout.temperature != 1:
+            errors.append(
+                ConfigError(
+                    f"models.{distillation.teacher}.engine",
+                    f"an SGLang teacher with rollout.temperature={self.rollout.temperature}",
+                    "the teacher must score the student's tokens at the sampling temperature, "
+                    "and SGLang 0.5.23 computes prompt log-probs at temperature 1 only",
+                    f"set models.{distillation.teacher}.engine=embedded, or rollout.temperature=1",
+                )
+            )
+        if distillation.enabled and self.rollout.replay_dir is not None:
+            errors.append(
+                ConfigError(
+                    "algo.distillation.mode",
+                    f"distillation ({distillation.mode}) with rollout.replay_dir",
+                    "a replayed run starts no engine, so no teacher scores its batches; "
+                    "training on the teacher log-probs a recording carries is not supported",
+                    "set algo.distillation.mode=off, or generate (rollout.replay_dir=null)",
+                )
+            )
+        if errors:
+            raise errors[0] if len(errors) == 1 else StartupErrors(errors)
 
     @property
     def requests_rollout_routes(self) -> bool:
@@ -356,8 +419,39 @@ class TrainConfig:
             self.rollout.engine != "sglang" or self.rollout.sglang.return_routes
         )
 
+    def _check_agent(self) -> None:
+        """``agent.*`` against the rest: one source of episodes, and per-turn samples only where
+        a step's samples need not be group_size per prompt."""
+        agent = self.agent
+        if agent.function is not None and self.env.name is not None:
+            raise ConfigError(
+                "agent.function",
+                f"both agent.function and env.name={self.env.name!r} are set",
+                "an episode is run either by an environment or by an agent program",
+                "remove one of them",
+            )
+        if agent.per_turn_samples and agent.function is None:
+            raise ConfigError(
+                "agent.per_turn_samples",
+                "per-turn samples without an agent",
+                "they split the agent's episodes, which agent.function runs",
+                "set agent.function, or remove agent.per_turn_samples",
+            )
+        if agent.per_turn_samples and (
+            self.algo.dynamic_sampling or self.rollout.max_staleness >= 1
+        ):
+            raise ConfigError(
+                "agent.per_turn_samples",
+                "per-turn samples with algo.dynamic_sampling or rollout.max_staleness >= 1",
+                "both take a step's samples as group_size per prompt; per-turn samples are one "
+                "per model turn",
+                "set agent.per_turn_samples=false, or turn dynamic sampling off and "
+                "rollout.max_staleness=0",
+            )
+
     def __post_init__(self) -> None:
         check_positive("steps", self.steps)
+        self._check_models()
         check_positive("sft_warmup_steps", self.sft_warmup_steps, allow_zero=True)
         if self.sft_warmup_lr is not None:
             check_positive("sft_warmup_lr", self.sft_warmup_lr)
@@ -408,14 +502,17 @@ class TrainConfig:
                 "every pipeline chunk holds the same number of layers",
                 "change parallel.pp / parallel.vpp or model.num_layers",
             )
-        if not self.reward.functions and self.env.name is None:
+        episodes = self.env.name is not None or self.agent.function is not None
+        if not self.reward.functions and not self.reward.judge.enabled and not episodes:
             raise ConfigError(
                 "reward.functions",
                 "no reward function",
                 "every sample needs a score (only an environment can give it without one)",
-                "set reward.functions, e.g. [math] or [my_pkg.rewards:score]",
+                "set reward.functions, e.g. [math] or [my_pkg.rewards:score], or a judge "
+                "(reward.judge.role)",
             )
-        if algo.advantage_level == "turn" and self.env.name is None:
+        self._check_agent()
+        if algo.advantage_level == "turn" and not episodes:
             raise ConfigError(
                 "algo.advantage_level",
                 "per-turn advantages without an environment",
@@ -443,22 +540,6 @@ class TrainConfig:
                 f"{self.data.train_path}: it compares response tokens with answer digits, which "
                 "means nothing for other data; set reward.functions to a reward for your task, "
                 "e.g. [math], [exact_match] or [my_package.rewards:score]",
-            )
-        if self.rollout.max_staleness and algo.dynamic_sampling:
-            raise ConfigError(
-                "algo.dynamic_sampling",
-                f"dynamic sampling with rollout.max_staleness={self.rollout.max_staleness}",
-                "the asynchronous producer does not filter groups yet (docs/async.md)",
-                "set algo.dynamic_sampling=false, or rollout.max_staleness=0",
-            )
-        if self.rollout.max_staleness and self.env.name is not None:
-            raise ConfigError(
-                "env.name",
-                f"environment {self.env.name!r} with rollout.max_staleness="
-                f"{self.rollout.max_staleness}",
-                "multi-turn episodes are not produced asynchronously yet: their turns' weight "
-                "versions and partial turns across a weight sync are untested (docs/async.md)",
-                "set rollout.max_staleness=0 for environment runs",
             )
         if self.rollout.max_staleness and algo.old_log_prob_source == "detach":
             raise ConfigError(

@@ -242,6 +242,12 @@ def hf_config_kwargs(model: ModelConfig) -> dict[str, Any]:
             rope_parameters=rope_parameters_of(model),
             # The multi-token-prediction layers are not built (docs/deepseek-v3.md).
             num_nextn_predict_layers=0,
+            # The published config.json's router fields, which transformers 5's class does not
+            # define but SGLang's DeepSeek class reads (without topk_method=noaux_tc it builds
+            # no correction bias; docs/deepseek-v3.md, "On a real SGLang server").
+            scoring_func="sigmoid",
+            topk_method="noaux_tc",
+            moe_layer_freq=1,
         )
         return kwargs
     if arch == "glm4_moe":

@@ -75,6 +75,25 @@ CHATML_TEMPLATE = (
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
+# ChatML with tools in the Qwen 2.5 / Hermes form: the tools' JSON schemas in a system message,
+# an assistant's calls as <tool_call> JSON blocks (what rollout/tool_calls.py's "hermes" format
+# parses back), tool results as <tool_response> blocks in a user turn.
+CHATML_TOOLS_TEMPLATE = (
+    "{% if tools %}{{ '<|im_start|>system\n# Tools\n<tools>' }}"
+    "{% for tool in tools %}{{ '\n' + (tool | tojson) }}{% endfor %}"
+    '{{ \'\n</tools>\nCall a tool as <tool_call>{"name": ..., "arguments": ...}</tool_call>'
+    "<|im_end|>\n' }}{% endif %}"
+    "{% for message in messages %}"
+    "{% if message['role'] == 'tool' %}"
+    "{{ '<|im_start|>user\n<tool_response>\n' + message['content'] + '\n</tool_response><|im_end|>\n' }}"
+    "{% else %}{{ '<|im_start|>' + message['role'] + '\n' + (message['content'] or '') }}"
+    "{% for call in message.get('tool_calls', []) %}"
+    "{{ '<tool_call>\n{\"name\": \"' + call['function']['name'] + '\", \"arguments\": ' + "
+    "(call['function']['arguments'] | tojson) + '}\n</tool_call>' }}"
+    "{% endfor %}{{ '<|im_end|>\n' }}{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
 
 
 def build_synthetic_tokenizer(with_tool_tokens: bool = False) -> PreTrainedTokenizerBase:

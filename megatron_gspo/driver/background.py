@@ -25,7 +25,20 @@ new weights, as with the synchronous source. Behind that, the :class:`Background
   ``rollout.engine_restart_timeout_s`` every rank raises
   :class:`~megatron_gspo.runtime.health.RolloutEngineLost` and the loop saves a checkpoint;
 - stopping the run cancels the chunk in flight (its samples come back aborted): that work is
-  logged as cancelled, never trained, and its prompts stay pending.
+  logged as cancelled, never trained, and its prompts stay pending;
+- chunks are made by the run's producer in a thread of this process, or with
+  ``rollout.producer_processes`` by producer processes
+  (:mod:`~megatron_gspo.production.processes`), one thread each here waiting for its process:
+  several chunks may then be in flight at once (within the capacity rule), and their
+  per-sample Python work (environment steps, decoding, reward dispatch) runs off the trainer's
+  interpreter lock. A chunk in flight across an engine recovery is generated again;
+- an environment's episodes are chunks like any other: a weight sync between two turns (or
+  inside one) makes an episode span versions, each token with the version and log-prob that
+  sampled it, and the bound applies to its oldest token;
+- with ``algo.dynamic_sampling`` the uninformative groups of a chunk (rewards all equal) are
+  kept out of the buffer and handed to the next step as consumed, not trained
+  (``StepBatch.dropped_prompts``); after ``dynamic_sampling_max_rounds`` chunks without a step
+  a buffer short of a batch is filled with the latest of them.
 
 With ``max_staleness: 0`` the :class:`~megatron_gspo.driver.synchronous.SynchronousSource` runs;
 this source with a bound of 0 produces exactly its batches (tests/async_training/).
@@ -55,8 +68,9 @@ from megatron_gspo.driver.recovery import (
 from megatron_gspo.driver.source import BatchSource, StepBatch
 from megatron_gspo.driver.staleness import ScoredGroup, StalenessBuffer
 from megatron_gspo.metrics.step import staleness_metrics
-from megatron_gspo.production.producer import SampleProducer, count_aborted
-from megatron_gspo.production.step_batch import merge_round_metrics
+from megatron_gspo.production.processes import ProducerProcess
+from megatron_gspo.production.producer import SampleProducer, ScoredSamples, count_aborted
+from megatron_gspo.production.step_batch import is_informative, merge_round_metrics
 from megatron_gspo.rollout import RolloutEngine, RolloutEngineError
 from megatron_gspo.runtime.health import RolloutEngineLost, RunStopped
 from megatron_gspo.samples import TrainSample
@@ -78,6 +92,12 @@ class BackgroundSettings:
     """``rollout.partial_rollouts``: a sync pauses the requests in flight instead of waiting."""
     restart_timeout_s: float
     """``rollout.engine_restart_timeout_s``: how long a dead engine may take to come back."""
+    dynamic_sampling: bool = False
+    """``algo.dynamic_sampling``: groups whose rewards are all equal are consumed, not trained
+    (DAPO), and the producer keeps generating until the buffer holds informative groups."""
+    dynamic_sampling_max_rounds: int = 10
+    """``algo.dynamic_sampling_max_rounds``: after this many chunks since the trainer last took
+    a batch, a buffer still short of one is filled with the latest uninformative groups."""
 
     @classmethod
     def from_config(cls, cfg: TrainConfig) -> BackgroundSettings:
@@ -86,6 +106,8 @@ class BackgroundSettings:
             max_staleness=cfg.rollout.max_staleness,
             partial_rollouts=cfg.rollout.partial_rollouts,
             restart_timeout_s=cfg.rollout.engine_restart_timeout_s,
+            dynamic_sampling=cfg.algo.dynamic_sampling,
+            dynamic_sampling_max_rounds=cfg.algo.dynamic_sampling_max_rounds,
         )
 
 
@@ -100,10 +122,26 @@ class _Chunk:
     """The producer's metrics (``time/rollout_s``, ``time/reward_s``, reward counts)."""
     samples: list[TrainSample]
     """Every sample the call made, those of the lost prompts included."""
+    dropped: list[ScoredGroup] = field(default_factory=list)
+    """Uninformative groups (dynamic sampling): consumed without training."""
 
     @property
     def num_samples(self) -> int:
         return len(self.samples)
+
+
+@dataclass
+class _Taken:
+    """What :meth:`BackgroundProducer.take` hands the trainer for one step."""
+
+    groups: list[ScoredGroup]
+    waited_s: float
+    chunks: list[_Chunk]
+    """The chunks made since the last take (their metrics)."""
+    dropped: list[ScoredGroup]
+    """Uninformative groups (dynamic sampling) the step consumes without training."""
+    filled: int = 0
+    """Uninformative groups in ``groups`` (a short batch filled after ``max_rounds``)."""
 
 
 @dataclass
@@ -124,11 +162,68 @@ class BusyWindow:
         self.intervals = [(a, b) for a, b in self.intervals if b > moment]
 
 
-class BackgroundProducer:
-    """The background thread that keeps the rollout engine busy (see the module docstring).
+class SharedLock:
+    """Chunks in flight hold it shared (several at once); a weight sync that waits for them
+    (no partial rollouts) and an engine recovery hold it exclusively, re-entrant for their
+    thread (``with lock:``). A waiting exclusive holder keeps new shared holders out."""
 
-    All shared state lives under one condition variable; the thread never touches
-    ``torch.distributed`` (only global rank 0 runs it, and the collectives are the loop's).
+    def __init__(self) -> None:
+        self._condition = threading.Condition()
+        self._shared = 0
+        self._owner: Optional[int] = None
+        self._depth = 0
+        self._waiting = 0
+
+    @contextlib.contextmanager
+    def shared(self) -> Iterator[None]:
+        with self._condition:
+            while self._owner is not None or self._waiting:
+                self._condition.wait()
+            self._shared += 1
+        try:
+            yield
+        finally:
+            with self._condition:
+                self._shared -= 1
+                self._condition.notify_all()
+
+    def __enter__(self) -> SharedLock:
+        me = threading.get_ident()
+        with self._condition:
+            if self._owner == me:
+                self._depth += 1
+                return self
+            self._waiting += 1
+            try:
+                while self._owner is not None or self._shared:
+                    self._condition.wait()
+            finally:
+                self._waiting -= 1
+            self._owner, self._depth = me, 1
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        with self._condition:
+            self._depth -= 1
+            if self._depth == 0:
+                self._owner = None
+                self._condition.notify_all()
+
+
+ProduceCall = Callable[[list[Prompt], int], ScoredSamples]
+"""``(prompts, chunk index) -> scored samples``: a producer's ``produce``, in this process or in
+a producer process (:class:`~megatron_gspo.production.processes.ProducerProcess`)."""
+
+
+class BackgroundProducer:
+    """The background threads that keep the rollout engine busy (see the module docstring):
+    one per produce call in ``lanes`` (the run's producer in this process, or one per producer
+    process), each making one chunk at a time, so that up to ``len(lanes)`` chunks are in
+    flight at once within the capacity rule (an episode's environment steps leave the engine to
+    the other chunks).
+
+    All shared state lives under one condition variable; the threads never touch
+    ``torch.distributed`` (only global rank 0 runs them, and the collectives are the loop's).
     """
 
     def __init__(
@@ -137,8 +232,10 @@ class BackgroundProducer:
         ledger: PromptLedger,
         rollout_engine: RolloutEngine,
         settings: BackgroundSettings,
+        lanes: Optional[list[ProduceCall]] = None,
     ):
         self.producer = producer
+        self.lanes: list[ProduceCall] = lanes or [producer.produce]
         self.ledger = ledger
         self.rollout_engine = rollout_engine
         self.batch_size = settings.batch_size
@@ -146,10 +243,14 @@ class BackgroundProducer:
         self.restart_timeout_s = settings.restart_timeout_s
         self.buffer = StalenessBuffer(self.max_staleness)
         self.condition = threading.Condition()
-        self.generating = threading.RLock()
-        """Held during a produce call: a sync without partial rollouts takes it to wait for the
-        requests in flight, and a recovery started by the trainer's thread to keep the producer
-        off a restarted server until it has the newest weights again."""
+        self.generating = SharedLock()
+        """Held shared during each produce call: a sync without partial rollouts takes it to
+        wait for the requests in flight, and a recovery to keep the producer off a restarted
+        server until it has the newest weights again."""
+        self.recoveries = 0
+        """Engine recoveries so far: a chunk in flight across one is generated again (some of
+        its requests may have reached a restarted server before its weights)."""
+        self.busy_lanes = 0
         self.window = BusyWindow()
         self.engine_version: Optional[int] = None
         self.steps_taken = 0
@@ -162,11 +263,19 @@ class BackgroundProducer:
         """Run totals: prompts generated again because their groups were too stale for the
         step or lost (an aborted sample, a failed engine), and engine recoveries that brought
         a server back."""
-        self.cancelled: Optional[_Chunk] = None
-        """The chunk in flight when the run stopped (its samples aborted by :meth:`stop`)."""
+        self.cancelled: list[_Chunk] = []
+        """The chunks in flight when the run stopped (their samples aborted by :meth:`stop`)."""
         self.pending_metrics: list[_Chunk] = []
         """Chunks made since the trainer last took a batch (their reward and time metrics)."""
-        self.thread: Optional[threading.Thread] = None
+        self.dynamic_sampling = settings.dynamic_sampling
+        self.max_rounds = settings.dynamic_sampling_max_rounds
+        self.dropped: list[ScoredGroup] = []
+        """Uninformative groups made since the trainer last took a batch (dynamic sampling):
+        the next step consumes them without training (``StepBatch.dropped_prompts``)."""
+        self.filled = 0
+        """Uninformative groups moved into the buffer since the last take (a short batch after
+        ``max_rounds`` chunks, as the synchronous collection fills one)."""
+        self.threads: list[threading.Thread] = []
 
     # ------------------------------------------------------------------ the trainer's side
 
@@ -174,8 +283,17 @@ class BackgroundProducer:
         """Begin producing for RL step ``step`` with the engine at weight ``version``."""
         self.steps_taken = self.next_chunk = step
         self.engine_version = version
-        self.thread = threading.Thread(target=self._run, name="sample-producer", daemon=True)
-        self.thread.start()
+        for index, produce in enumerate(self.lanes):
+            thread = threading.Thread(
+                target=self._run, args=(produce,), name=f"sample-producer-{index}", daemon=True
+            )
+            self.threads.append(thread)
+            thread.start()
+
+    @property
+    def thread(self) -> Optional[threading.Thread]:
+        """The first producer thread (None before :meth:`start`)."""
+        return self.threads[0] if self.threads else None
 
     def set_engine_version(self, version: int) -> None:
         with self.condition:
@@ -188,13 +306,11 @@ class BackgroundProducer:
                 self.error = error
             self.condition.notify_all()
 
-    def take(
-        self, version: int, resync: Callable[[], None]
-    ) -> tuple[list[ScoredGroup], float, list[_Chunk]]:
+    def take(self, version: int, resync: Callable[[], None]) -> _Taken:
         """Block until ``batch_size`` groups fresh enough for weight ``version`` wait; returns
-        them, the seconds waited and the chunks made since the last take. ``resync`` sends the
-        trainer's weights, for a restarted server that waits for them (the producer cannot
-        generate until then)."""
+        them with the seconds waited, the chunks made since the last take and the
+        uninformative groups dropped meanwhile. ``resync`` sends the trainer's weights, for a
+        restarted server that waits for them (the producer cannot generate until then)."""
         started = time.monotonic()
         with self.condition:
             while True:
@@ -206,9 +322,13 @@ class BackgroundProducer:
                     self.condition.notify_all()  # room for the producer to make fresh ones
                 if batch is not None:
                     self.steps_taken += 1
-                    chunks, self.pending_metrics = self.pending_metrics, []
+                    taken = _Taken(
+                        batch, time.monotonic() - started, self.pending_metrics, self.dropped
+                    )
+                    taken.filled, self.filled = self.filled, 0
+                    self.pending_metrics, self.dropped = [], []
                     self.condition.notify_all()
-                    return batch, time.monotonic() - started, chunks
+                    return taken
                 if self.rollout_engine.needs_full_sync and self.in_flight == 0:
                     self.condition.release()
                     try:
@@ -223,28 +343,30 @@ class BackgroundProducer:
             self.stopping = True
             generating = self.in_flight > 0
             self.condition.notify_all()
-        if self.thread is None or not self.thread.is_alive():
+        if not any(thread.is_alive() for thread in self.threads):
             return
         if generating:
             try:
-                self.rollout_engine.abort()  # the call in flight returns at its next token
+                self.rollout_engine.abort()  # the calls in flight return at their next token
             except RolloutEngineError as error:  # the run is over either way
                 logger.warning("could not abort the generation in flight: %s", error)
-        self.thread.join(timeout=60)
+        for thread in self.threads:
+            thread.join(timeout=60)
         self._log_cancelled()
 
     def _log_cancelled(self) -> None:
         """Say what the stop left untrained: not a warning, no trained batch holds any of it
         (the prompts stay pending: a resumed run generates them again)."""
         with self.condition:
-            chunk, buffered = self.cancelled, len(self.buffer)
-        if chunk is not None:
+            chunks, buffered = list(self.cancelled), len(self.buffer)
+        if chunks:
+            samples = [sample for chunk in chunks for sample in chunk.samples]
             logger.info(
                 "the run is stopping: the generation in flight was cancelled (%d prompts, %d of "
                 "%d samples aborted); not trained",
-                len(chunk.groups) + len(chunk.lost),
-                count_aborted(chunk.samples),
-                len(chunk.samples),
+                sum(len(chunk.groups) + len(chunk.lost) + len(chunk.dropped) for chunk in chunks),
+                count_aborted(samples),
+                len(samples),
             )
         if buffered:
             logger.info("the run is stopping: %d groups generated ahead are not trained", buffered)
@@ -266,7 +388,7 @@ class BackgroundProducer:
             self.counts[reason] += len(prompts)
             logger.info("%d prompts re-queued (%s)", len(prompts), reason.replace("_", " "))
 
-    def _run(self) -> None:
+    def _run(self, produce: ProduceCall) -> None:
         try:
             while True:
                 with self.condition:
@@ -277,60 +399,115 @@ class BackgroundProducer:
                     chunk_index = self.next_chunk
                     self.next_chunk += 1
                     prompts = self.ledger.take(self.batch_size)
-                    self.in_flight = len(prompts)
-                    self.window.busy_since = time.monotonic()
-                chunk = self._produce(prompts, chunk_index)
+                    self.in_flight += len(prompts)
+                    self._lane_busy()
+                    recoveries = self.recoveries
+                chunk = self._produce(produce, prompts, chunk_index)
                 with self.condition:
-                    self.in_flight = 0
-                    self.window.intervals.append((self.window.busy_since, time.monotonic()))
-                    self.window.busy_since = None
+                    self.in_flight -= len(prompts)
+                    self._lane_idle()
                     if self.stopping:
-                        self.cancelled = chunk
+                        if chunk is not None:
+                            self.cancelled.append(chunk)
                         return
+                    if chunk is not None and self.recoveries != recoveries:
+                        # A recovery while it was in flight: some of its requests may have
+                        # reached a restarted server before the newest weights did.
+                        self._requeue(prompts, "requeued_lost")
+                        chunk = None
                     if chunk is not None:
                         self.buffer.put(chunk.groups)
                         self._requeue(chunk.lost, "requeued_lost")
+                        self._keep_dropped(chunk.dropped)
                         self.pending_metrics.append(chunk)
                     self.condition.notify_all()
         except RunStopped as error:  # its message is the whole story: printed by the trainer
             self.fail(error)
         except BaseException as error:  # noqa: BLE001 - handed to the trainer's thread
+            if self.stopping:
+                return  # the run is over: its producer processes are going away
             logger.exception("the sample producer failed")
             self.fail(error)
 
-    def _produce(self, prompts: list[Prompt], chunk_index: int) -> Optional[_Chunk]:
+    def _lane_busy(self) -> None:
+        """A lane starts a chunk (under the condition): the engine is busy from the first."""
+        if self.busy_lanes == 0:
+            self.window.busy_since = time.monotonic()
+        self.busy_lanes += 1
+
+    def _lane_idle(self) -> None:
+        """A lane's chunk ended (under the condition): idle when it was the last."""
+        self.busy_lanes -= 1
+        if self.busy_lanes == 0:
+            self.window.intervals.append((self.window.busy_since, time.monotonic()))
+            self.window.busy_since = None
+
+    def _produce(
+        self, produce: ProduceCall, prompts: list[Prompt], chunk_index: int
+    ) -> Optional[_Chunk]:
         """Generate and score one chunk; a dead engine is recovered and the chunk re-queued
         (None)."""
         try:
-            with self.generating:
-                return self.produce_chunk(prompts, chunk_index)
+            with self.generating.shared():
+                return self.produce_chunk(prompts, chunk_index, produce)
         except RolloutEngineError as error:
             if self.stopping:
                 return None
             logger.warning("rollout engine failed (%s): bringing it back", error)
             with self.condition:
                 self._requeue(prompts, "requeued_lost")
-            self.recover(error)
+            with self.generating:  # the other lanes' chunks end first (they fail too)
+                self.recover(error)
             return None
 
-    def produce_chunk(self, prompts: list[Prompt], chunk_index: int) -> _Chunk:
-        """One chunk from the run's sample producer, as groups. Sampling seeds derive from the
-        chunk index as the synchronous source's from the step: with a bound of 0 chunk ``k`` is
-        step ``k`` and the samples are the synchronous ones."""
-        scored = self.producer.produce(prompts, chunk_index)
+    def produce_chunk(
+        self, prompts: list[Prompt], chunk_index: int, produce: Optional[ProduceCall] = None
+    ) -> _Chunk:
+        """One chunk from the run's sample producer (or ``produce``), as groups. Sampling seeds
+        derive from the chunk index as the synchronous source's from the step: with a bound of
+        0 chunk ``k`` is step ``k`` and the samples are the synchronous ones."""
+        scored = (produce or self.producer.produce)(prompts, chunk_index)
         size = self.producer.group_size
-        groups, lost = [], []
+        groups, lost, dropped = [], [], []
         for index, prompt in enumerate(prompts):
             members = scored.samples[index * size : (index + 1) * size]
             if any(sample.finish_reason == "abort" for sample in members):
                 lost.append(prompt)  # never trained with a hole: generated again
+            elif self.dynamic_sampling and not is_informative(members):
+                dropped.append(ScoredGroup(prompt, members, chunk_index))
             else:
                 groups.append(ScoredGroup(prompt, members, chunk_index))
-        return _Chunk(groups, lost, scored.metrics, scored.samples)
+        return _Chunk(groups, lost, scored.metrics, scored.samples, dropped)
+
+    def _keep_dropped(self, dropped: list[ScoredGroup]) -> None:
+        """Hold a chunk's uninformative groups for the next take (under the condition). After
+        ``max_rounds`` chunks without a take, a buffer short of a batch is filled with the
+        latest of them (advantage 0), so that a task on which every group is uninformative
+        cannot keep the trainer waiting forever (the synchronous collection's rule)."""
+        rounds = len(self.pending_metrics) + 1  # this chunk included
+        missing = self.batch_size - len(self.buffer)
+        if self.dynamic_sampling and rounds >= self.max_rounds and missing > 0:
+            candidates = self.dropped + dropped
+            filler = candidates[-missing:]
+            dropped = candidates[: len(candidates) - len(filler)]
+            self.dropped = []
+            self.buffer.put(filler)
+            self.filled += len(filler)
+            logger.warning(
+                "dynamic sampling: %d chunks since the last step and still short of a batch; "
+                "filled it with %d groups whose rewards are all equal (advantage 0). Raise "
+                "algo.dynamic_sampling_max_rounds, or check that the task is neither too hard "
+                "nor too easy for the policy",
+                rounds,
+                len(filler),
+            )
+        self.dropped.extend(dropped)
 
     def recover(self, error: Exception) -> Optional[SyncStats]:
         """Bring the engine back with the newest weights it was sent (their stats; None when
         nothing had to be sent again), or stop the run (:class:`RolloutEngineLost`)."""
+        with self.condition:
+            self.recoveries += 1
         stats, restarted = recover_engine(self.rollout_engine, error, self.restart_timeout_s)
         if restarted:
             with self.condition:
@@ -353,11 +530,21 @@ class BackgroundSource(BatchSource):
         rollout_engine: RolloutEngine,
         settings: BackgroundSettings,
         weights: Optional[TrainerWeights] = None,
+        start_processes: Optional[Callable[[RolloutEngine], list[ProducerProcess]]] = None,
     ):
         self.rollout_engine = rollout_engine
         self.settings = settings
         self.weights = weights
-        self.background = BackgroundProducer(producer, ledger, rollout_engine, settings)
+        # Started here, on the trainer's main thread: they die with it (PR_SET_PDEATHSIG
+        # follows the thread that started them).
+        self.processes = [] if start_processes is None else start_processes(rollout_engine)
+        self.background = BackgroundProducer(
+            producer,
+            ledger,
+            rollout_engine,
+            settings,
+            lanes=[process.produce for process in self.processes] or None,
+        )
         self._start_step = 0
         self._last_return: Optional[float] = None
 
@@ -369,27 +556,39 @@ class BackgroundSource(BatchSource):
         return {name: float(count) for name, count in self.background.counts.items()}
 
     def stop(self) -> None:
+        for process in self.processes:
+            process.closing = True  # a lane still waiting for its process to start gives up
         self.background.stop()
+        for process in self.processes:
+            process.close()
 
     # ------------------------------------------------------------------ batches
 
     def next_batch(self, step: int) -> StepBatch:
         called = time.monotonic()
         try:
-            groups, waited, chunks = self.background.take(step, lambda: self._resync(step))
+            taken = self.background.take(step, lambda: self._resync(step))
         except BaseException as error:
             broadcast_failure(error)
             raise
+        groups = taken.groups
         samples = broadcast_samples([sample for group in groups for sample in group.samples])
         returned = time.monotonic()
         metrics = {
-            **_chunk_metrics(chunks),
+            **_chunk_metrics(taken.chunks),
             **staleness_metrics(samples, step, self.settings.max_staleness),
-            "trainer_wait_s": waited,
+            "trainer_wait_s": taken.waited_s,
             "time/rollout_s": returned - called,
         }
+        if self.settings.dynamic_sampling:
+            metrics.update(_dynamic_sampling_metrics(taken))
         metrics.update(self._overlap_metrics(called, returned))
-        return StepBatch(samples, [group.prompt.group_id for group in groups], [], metrics)
+        return StepBatch(
+            samples,
+            [group.prompt.group_id for group in groups],
+            [group.prompt.group_id for group in taken.dropped],
+            metrics,
+        )
 
     def _resync(self, version: int) -> None:
         """Send the trainer's current weights (``version``) to servers that came back without
@@ -439,11 +638,34 @@ class BackgroundSource(BatchSource):
             except RolloutEngineLost as lost:  # every rank stops at the next rollout
                 self.background.fail(lost)
         if stats is not None:
+            for process in self.processes:  # their requests' prefix-cache salt
+                process.set_weight_version(version)
             self.background.set_engine_version(version)
         if self.background.thread is None:
             # The first sync gives the engine the trainer's weights: now it may generate.
             self.background.start(self._start_step, version)
         return stats
+
+
+def _dynamic_sampling_metrics(taken: _Taken) -> dict[str, float]:
+    """``dynamic_sampling/...`` of the chunks made since the last batch (the synchronous
+    collection's names; ``rounds`` counts chunks, which may belong to later steps' batches)."""
+    produced = sum(len(chunk.groups) + len(chunk.dropped) for chunk in taken.chunks)
+    informative = sum(len(chunk.groups) for chunk in taken.chunks)
+    rewards = [
+        sample.reward
+        for chunk in taken.chunks
+        for group in [*chunk.groups, *chunk.dropped]
+        for sample in group.samples
+    ]
+    return {
+        "dynamic_sampling/rounds": float(len(taken.chunks)),
+        "dynamic_sampling/prompts_consumed": float(len(taken.groups) + len(taken.dropped)),
+        "dynamic_sampling/dropped_groups": float(len(taken.dropped)),
+        "dynamic_sampling/informative_group_frac": informative / produced if produced else 0.0,
+        "dynamic_sampling/filled_groups": float(taken.filled),
+        "dynamic_sampling/reward_mean_produced": sum(rewards) / len(rewards) if rewards else 0.0,
+    }
 
 
 def _chunk_metrics(chunks: list[_Chunk]) -> dict[str, float]:

@@ -15,6 +15,7 @@ from megatron_gspo.driver.replay import ReplaySource
 from megatron_gspo.driver.rollout_driver import RolloutDriver
 from megatron_gspo.driver.source import BatchSourceFactory
 from megatron_gspo.driver.synchronous import SynchronousSource
+from megatron_gspo.production.processes import start_producer_processes
 from megatron_gspo.samples.recorded_batch import rollouts_directory
 
 
@@ -57,7 +58,12 @@ def build_rollout_driver(
         make_source = ReplaySource.factory(rollouts_directory(cfg.rollout.replay_dir))
     elif background:
         make_source = partial(
-            BackgroundSource, settings=BackgroundSettings.from_config(cfg), weights=weights
+            BackgroundSource,
+            settings=BackgroundSettings.from_config(cfg),
+            weights=weights,
+            start_processes=partial(start_producer_processes, cfg)
+            if cfg.rollout.producer_processes
+            else None,
         )
     else:
         make_source = partial(SynchronousSource, cfg=cfg, weights=weights)

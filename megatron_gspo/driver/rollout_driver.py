@@ -25,6 +25,7 @@ from megatron_gspo.driver.source import BatchSource, BatchSourceFactory
 from megatron_gspo.envs import EnvironmentSpec, load_environment
 from megatron_gspo.metrics.sinks import MetricsLogger
 from megatron_gspo.metrics.step import rollout_metrics
+from megatron_gspo.production.agent import AgentProducer, AgentSettings
 from megatron_gspo.production.episodes import (
     EnvironmentProducer,
     EpisodeSettings,
@@ -35,9 +36,13 @@ from megatron_gspo.production.sampling import Sampling
 from megatron_gspo.production.single_turn import SingleTurnProducer
 from megatron_gspo.production.supervised import reference_sample
 from megatron_gspo.production.task import build_task
+from megatron_gspo.production.teacher import TeacherScoredProducer
 from megatron_gspo.reward import RewardRunner
 from megatron_gspo.rollout import RolloutEngine
+from megatron_gspo.rollout.chat_endpoint import ChatEndpoint
 from megatron_gspo.rollout.factory import build_rollout_engine
+from megatron_gspo.rollout.judge_backend import build_judge_backend
+from megatron_gspo.rollout.roles import build_role_engines
 from megatron_gspo.samples import TrainSample
 from megatron_gspo.samples.recorded_batch import (
     ROLLOUTS_DIR,
@@ -87,10 +92,18 @@ class RolloutDriver(Driver):
         # A replayed run (rollout.replay_dir) generates and scores nothing: it starts no rollout
         # engine and no reward workers, and its source needs no producer.
         replaying = cfg.rollout.replay_dir is not None
+        # The extra models' engines (models.<role>: teacher, judge, ...), by role, each in the
+        # exit stack; built before the reward functions, which may call them. A replayed run
+        # scores nothing and starts none.
+        self.model_engines: dict[str, RolloutEngine] = (
+            {} if replaying else build_role_engines(cfg, resources)
+        )
         # With an environment the reward functions are optional (it may score by itself).
         self.rewards: Optional[RewardRunner] = (
-            resources.enter_context(RewardRunner(cfg.reward))
-            if cfg.reward.functions and not replaying
+            resources.enter_context(
+                RewardRunner(cfg.reward, build_judge_backend(cfg, self.model_engines))
+            )
+            if (cfg.reward.functions or cfg.reward.judge.enabled) and not replaying
             else None
         )
         self.episode_settings = EpisodeSettings.from_config(cfg)
@@ -100,10 +113,27 @@ class RolloutDriver(Driver):
                 EnvironmentSpec(cfg.env.name, dict(cfg.env.options))
             )
         self.rollout_engine: Optional[RolloutEngine] = None
+        self.chat_endpoint: Optional[ChatEndpoint] = None
         self.producer: Optional[SampleProducer] = None
         if not replaying:
             self.rollout_engine = resources.enter_context(build_rollout(cfg))
+            if cfg.agent.function is not None:
+                # The agents' OpenAI-compatible endpoint, in front of the rollout engine.
+                self.chat_endpoint = resources.enter_context(
+                    ChatEndpoint(
+                        self.rollout_engine,
+                        self.task.tokenizer,
+                        tool_call_format=cfg.agent.tool_call_format,
+                    )
+                )
             self.producer = self.make_producer(Sampling.training(cfg))
+            if cfg.algo.distillation.enabled:
+                # Training batches only: evaluation measures the task, not the teacher's view.
+                self.producer = TeacherScoredProducer(
+                    self.producer,
+                    self.model_engines[cfg.algo.distillation.teacher],
+                    cfg.rollout.temperature,
+                )
         self.ledger = PromptLedger(self.task.stream, cfg.output_dir)
         self.source: BatchSource = make_source(self.producer, self.ledger, self.rollout_engine)
         resources.callback(self.source.stop)
@@ -120,6 +150,9 @@ class RolloutDriver(Driver):
     def make_producer(self, sampling: Sampling) -> SampleProducer:
         """The run's way of producing samples (an environment's episodes or one completion per
         sample) at ``sampling``'s settings."""
+        if self.chat_endpoint is not None:
+            settings = AgentSettings.from_config(self.cfg, self.task)
+            return AgentProducer(self.chat_endpoint, self.task, sampling, settings)
         if self.environment_factory is not None:
             return EnvironmentProducer(
                 self.rollout_engine,

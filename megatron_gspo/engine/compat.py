@@ -47,9 +47,12 @@ from megatron_gspo.engine.shim_registry import (
     CHECKED_VERSIONS,
     MEGATRON_CORE_VERSION,
     SHIMS,
+    WORKAROUNDS,
     NeededOn,
     Shim,
+    Workaround,
     needed_here,
+    upstream_workaround,
 )
 
 logger = logging.getLogger(__name__)
@@ -99,10 +102,17 @@ def registered_shims() -> list[Shim]:
     return list(SHIMS)
 
 
+def registered_workarounds() -> list[Workaround]:
+    """Every upstream workaround applied on every device (registered below, in this module)."""
+    return list(WORKAROUNDS)
+
+
 def declared_needs() -> dict[str, bool]:
-    """Whether each shim, and each part of one, is declared needed on the installed version.
-    Parts are named ``shim[part]``; ``tests/engine/test_compat.py`` probes every entry."""
+    """Whether each shim, each part of one and each workaround is declared needed on the
+    installed version. Parts are named ``shim[part]``; ``tests/engine/test_compat.py`` probes
+    every entry."""
     needs = {shim.name: needed_here(shim.needed) for shim in registered_shims()}
+    needs.update((workaround.name, needed_here(workaround.needed)) for workaround in WORKAROUNDS)
     needs.update(
         (f"cuda_allocations[{module}]", needed_here(needed))
         for module, needed in CUDA_ALLOCATING_MODULES.items()
@@ -171,6 +181,16 @@ def registered_extensions() -> list[ClassExtension]:
 # ---------------------------------------------------------------------------------------------
 
 
+ROUTED_TOKEN_COUNT = NeededOn()
+"""Checked on 0.16.1 and 0.17.1: both mask ``[tokens, experts]`` with ``[tokens]``."""
+
+
+@upstream_workaround(
+    "count_routed_tokens",
+    "transformer.moe.router.TopKRouter._apply_expert_bias (the padding mask without the expert "
+    "axis); installed on the routers with an expert bias by install_routed_token_counting",
+    ROUTED_TOKEN_COUNT,
+)
 def count_routed_tokens(
     router: torch.nn.Module, routing_map: torch.Tensor, padding_mask: Optional[torch.Tensor] = None
 ) -> None:
@@ -194,6 +214,16 @@ class _AbsentTransformerEngineLinear:
     instance of it."""
 
 
+MLA_WITHOUT_TRANSFORMER_ENGINE = NeededOn(fixed_in="0.17.0")
+"""0.16.1 needs it; 0.17.1 guards the ``isinstance`` with ``HAVE_TE`` (0.17.0 not checked)."""
+
+
+@upstream_workaround(
+    "allow_mla_without_transformer_engine",
+    "transformer.multi_latent_attention.MultiLatentAttention.__init__ (isinstance with "
+    "TELinear, a MagicMock without Transformer Engine)",
+    MLA_WITHOUT_TRANSFORMER_ENGINE,
+)
 def allow_mla_without_transformer_engine() -> bool:
     """Let Megatron's ``MLASelfAttention`` be built without Transformer Engine; True if changed.
 
@@ -208,6 +238,8 @@ def allow_mla_without_transformer_engine() -> bool:
     a no-op: ``TELinear`` is a class or None)."""
     from megatron.core.transformer import multi_latent_attention
 
+    if not needed_here(MLA_WITHOUT_TRANSFORMER_ENGINE):
+        return False
     current = getattr(multi_latent_attention, "TELinear", None)
     if current is None or isinstance(current, type):
         return False
@@ -217,9 +249,12 @@ def allow_mla_without_transformer_engine() -> bool:
 
 def install_routed_token_counting(chunks: list[torch.nn.Module]) -> int:
     """Give every router with an expert bias :func:`count_routed_tokens` (an instance attribute:
-    the class stays upstream's). Returns the number of routers changed."""
+    the class stays upstream's). Returns the number of routers changed (0 on a megatron-core
+    that counts correctly itself)."""
     import functools
 
+    if not needed_here(ROUTED_TOKEN_COUNT):
+        return 0
     count = 0
     for chunk in chunks:
         for module in chunk.modules():

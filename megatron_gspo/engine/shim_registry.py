@@ -88,3 +88,38 @@ def cpu_shim(
         return function
 
     return register
+
+
+@dataclass(frozen=True)
+class Workaround:
+    """An upstream bug worked around on every device, CPU and GPU alike. Not applied by
+    ``compat.apply_cpu_shims`` (CPU only): the code that builds what it concerns applies it
+    (``engine/model.py``), and only where :func:`needed_here` says so. Its necessity on each
+    checked version is probed like a CPU shim's (``tests/engine/test_compat.py``)."""
+
+    name: str
+    upstream: str
+    """The upstream function or call site it covers."""
+    needed: NeededOn
+
+
+WORKAROUNDS: list[Workaround] = []
+"""Every registered workaround, in registration order."""
+
+
+def upstream_workaround(
+    name: str, upstream: str, needed: NeededOn | None = None
+) -> Callable[[Callable], Callable]:
+    """Register the function of a workaround, needed on ``needed`` (default: every supported
+    version so far); its docstring gains the upstream place and those versions."""
+    needed = needed or NeededOn()
+
+    def register(function: Callable) -> Callable:
+        function.__doc__ = (
+            f"{(function.__doc__ or '').strip()}\n\nCovers: {upstream}.\n"
+            f"Needed on megatron-core {needed} (checked on {', '.join(CHECKED_VERSIONS)})."
+        )
+        WORKAROUNDS.append(Workaround(name, upstream, needed))
+        return function
+
+    return register

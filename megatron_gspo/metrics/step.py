@@ -41,7 +41,7 @@ def staleness_metrics(
     A sample's staleness is ``version`` minus its oldest token's version (``weight_version``):
     ``staleness_mean``, ``staleness_max`` and ``staleness_hist/{k}`` (the share of samples of
     staleness ``k``, ``0 <= k <= max_staleness``); ``token_staleness_mean`` over response
-    tokens. A partial sample has tokens of several versions (a weight sync landed while it was
+    tokens (an episode's model tokens: not its observations). A partial sample has tokens of several versions (a weight sync landed while it was
     generated): ``partial_sample_frac``, and ``segments_per_sample`` (runs of one version; 1 for
     a sample of one version).
     """
@@ -51,6 +51,9 @@ def staleness_metrics(
         versions = sample.rollout_weight_versions
         if versions is None or versions.numel() == 0:
             versions = torch.full((sample.response_length,), sample.weight_version)
+        elif sample.turns is not None:
+            # An episode: its observations were sampled by no version (docs/agentic.md).
+            versions = versions[sample.turns >= 0]
         token_staleness.append((version - versions).double())
         segments.append(1 + int((versions[1:] != versions[:-1]).sum()) if versions.numel() else 1)
     tokens = torch.cat(token_staleness)

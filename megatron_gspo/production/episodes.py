@@ -13,6 +13,10 @@ A trajectory is the exact token sequence the engine saw and produced::
 
 - ``loss_mask``: True on model tokens, False on observations (context);
 - ``rollout_log_probs``: the engine's log-probs of model tokens, 0 on observations (masked);
+- ``rollout_weight_versions``: the weight version that sampled each model token (an observation
+  token carries its predecessor's). With asynchronous training a weight sync may land between
+  two turns or inside one (partial rollouts): the episode then spans versions, each token
+  keeping the version and log-prob that produced it, and ``weight_version`` is the oldest;
 - ``rollout_routes`` ``[L - 1, M, K]`` (R3): each call of the engine returns the routes of its
   whole input (prefill) and of its new tokens but the last; a trajectory keeps, from each call,
   the rows no earlier call covered. So a turn's tokens keep the routes they were generated
@@ -133,6 +137,10 @@ class Trajectory:
     prompt_length: int = 0
     stop_token_ids: tuple[int, ...] = ()
     log_probs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    """Per response token, the weight version that sampled it; an observation token carries the
+    version of the token before it (it was sampled by none, and so never makes the trajectory
+    look older than its model tokens)."""
     loss_mask: list[bool] = field(default_factory=list)
     turns: list[int] = field(default_factory=list)
     turn_rewards: list[float] = field(default_factory=list)
@@ -172,6 +180,12 @@ class Trajectory:
             self.route_chunks.append(np.asarray(result.routed_experts)[self.route_rows : end])
             self.route_rows = max(self.route_rows, end)
         version = int(result.weight_version)
+        if result.output_weight_versions is not None:
+            self.versions += [int(value) for value in result.output_weight_versions]
+        else:
+            self.versions += [version] * len(output)
+        # An episode may span weight versions (a sync between turns, or inside one with
+        # partial rollouts): the trajectory is as old as its oldest model token.
         self.weight_version = (
             version if self.weight_version is None else min(self.weight_version, version)
         )
@@ -205,6 +219,7 @@ class Trajectory:
             self.tokens += observation
             self.loss_mask += [False] * len(observation)
             self.log_probs += [0.0] * len(observation)
+            self.versions += [self.versions[-1] if self.versions else 0] * len(observation)
             self.turns += [-1] * len(observation)
 
     def sample(self) -> TrainSample:
@@ -220,6 +235,7 @@ class Trajectory:
                 [False] * len(self.loss_mask) if aborted else self.loss_mask, dtype=torch.bool
             ),
             rollout_log_probs=torch.tensor(self.log_probs, dtype=torch.float32),
+            rollout_weight_versions=torch.tensor(self.versions, dtype=torch.int64),
             rollout_routes=routes,
             turns=torch.tensor(self.turns, dtype=torch.int16),
             turn_rewards=torch.tensor(self.turn_rewards, dtype=torch.float64),

@@ -17,6 +17,13 @@ from megatron_gspo.reward.functions import (
     load_reward_function,
     reward_specs,
 )
+from megatron_gspo.reward.judge import (
+    JudgeBackend,
+    JudgeReply,
+    JudgeReward,
+    parse_judgement,
+    render_judge_prompt,
+)
 from megatron_gspo.reward.runner import RewardFailure, RewardResult, RewardRunner
 from megatron_gspo.reward.sandbox import (
     SandboxLimits,
@@ -27,6 +34,9 @@ from megatron_gspo.reward.sandbox import (
 
 __all__ = [
     "BUILTIN_REWARDS",
+    "JudgeBackend",
+    "JudgeReply",
+    "JudgeReward",
     "RewardFailure",
     "RewardInput",
     "RewardResult",
@@ -36,6 +46,8 @@ __all__ = [
     "SandboxResult",
     "SandboxUnavailableError",
     "load_reward_function",
+    "parse_judgement",
+    "render_judge_prompt",
     "reward_specs",
     "run_python",
 ]

@@ -6,6 +6,10 @@ raises, returns something other than a finite number, loses its worker, or times
 ``reward.failure_reward`` for that function; it is counted (``reward_errors``,
 ``reward_timeouts``), logged with the function's name and the sample's index, and listed in
 :attr:`RewardResult.failures` - never silently scored as zero.
+
+A judge (``reward.judge``, :mod:`megatron_gspo.reward.judge`) is one more function, named
+``judge``, weighted by ``reward.judge.weight``: it scores the whole batch in this process through
+its engine, and its failures and time-outs are counted and logged the same way.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Optional
 
 from megatron_gspo.config import ConfigError, RewardConfig
 from megatron_gspo.reward.functions import (
@@ -23,7 +28,8 @@ from megatron_gspo.reward.functions import (
     load_reward_function,
     reward_specs,
 )
-from megatron_gspo.reward.pool import ProcessPool, ThreadPool
+from megatron_gspo.reward.judge import JudgeBackend, JudgeReward
+from megatron_gspo.reward.pool import CallOutcome, ProcessPool, ThreadPool
 from megatron_gspo.runtime.health import RunStopped
 
 logger = logging.getLogger(__name__)
@@ -67,11 +73,22 @@ class RewardRunner:
     Construction resolves every function (unknown names, failing imports and unknown options
     raise :class:`ConfigError`), runs their start-up checks (``check``, see
     :mod:`megatron_gspo.reward.functions`; the code reward's sandbox) and starts the workers. Use as a context manager, or call
-    :meth:`close`.
+    :meth:`close`. ``judge_backend`` reaches the judge's engine; it is required when
+    ``reward.judge.role`` is set (the driver builds it from the role's engine).
     """
 
-    def __init__(self, config: RewardConfig):
+    def __init__(self, config: RewardConfig, judge_backend: Optional[JudgeBackend] = None):
         self.config = config
+        self.judge: Optional[JudgeReward] = None
+        if config.judge.enabled:
+            if judge_backend is None:
+                raise ConfigError(
+                    "reward.judge.role",
+                    f"no engine for the judge role {config.judge.role!r}",
+                    "the judge answers through its own engine, built from models.<role>",
+                    f"set models.{config.judge.role}.hf_path (the driver builds its engine)",
+                )
+            self.judge = JudgeReward(config.judge, judge_backend)
         self.consecutive_failed_batches = 0
         """Batches in a row in which some function failed on every sample."""
         self.specs = reward_specs(config.functions, config.weights, config.options)
@@ -89,17 +106,30 @@ class RewardRunner:
         functions = [load_reward_function(spec) for spec in self.specs]
         for spec, function in zip(self.specs, functions):
             check_reward_function(spec, function)
-        if config.executor == "thread":
+        # A judge-only reward starts no workers: nothing would run in them.
+        self.pool: Optional[ProcessPool | ThreadPool] = None
+        if self.specs and config.executor == "thread":
             self.pool = ThreadPool(functions, config.num_workers, config.timeout_s)
-        else:
+        elif self.specs:
             self.pool = ProcessPool(self.specs, config.num_workers, config.timeout_s)
+        terms = [f"{spec.weight:g} * {spec.name}" for spec in self.specs]
+        if self.judge is not None:
+            terms.append(f"{config.judge.weight:g} * judge (models.{config.judge.role})")
         logger.info(
             "reward: %s (%d %s workers, %g s per call)",
-            " + ".join(f"{spec.weight:g} * {spec.name}" for spec in self.specs),
+            " + ".join(terms),
             config.num_workers,
             config.executor,
             config.timeout_s,
         )
+
+    @property
+    def columns(self) -> list[tuple[str, str, float]]:
+        """``(name, metric name, weight)`` of each scoring function, the judge last."""
+        columns = [(spec.name, spec.metric_name, spec.weight) for spec in self.specs]
+        if self.judge is not None:
+            columns.append((self.judge.name, self.judge.name, self.config.judge.weight))
+        return columns
 
     def score(self, samples: Sequence[RewardInput]) -> RewardResult:
         """Score ``samples``; the result's lists follow their order."""
@@ -109,26 +139,36 @@ class RewardRunner:
             for sample in samples
             for function_index in range(len(self.specs))
         ]
-        outcomes = self.pool.run(calls)
+        outcomes = self.pool.run(calls) if self.pool is not None else []
         num_functions = len(self.specs)
-        scores: dict[str, list[float]] = {spec.metric_name: [] for spec in self.specs}
+        # outcome_of(sample, column): the pool's functions, then the judge (one batched call).
+        judge_outcomes: list[CallOutcome] = []
+        judge_metrics: dict[str, float] = {}
+        if self.judge is not None and samples:
+            judge_outcomes, judge_metrics = self.judge.score(samples)
+        columns = self.columns
+        scores: dict[str, list[float]] = {metric: [] for _, metric, _ in columns}
         rewards: list[float] = []
         failures: list[RewardFailure] = []
         for sample_index in range(len(samples)):
             total = 0.0
-            for function_index, spec in enumerate(self.specs):
-                outcome = outcomes[sample_index * num_functions + function_index]
+            for column, (name, metric, weight) in enumerate(columns):
+                outcome = (
+                    outcomes[sample_index * num_functions + column]
+                    if column < num_functions
+                    else judge_outcomes[sample_index]
+                )
                 value = outcome.value
                 if outcome.status != "ok":
                     value = self.config.failure_reward
                     failures.append(
-                        RewardFailure(sample_index, spec.name, outcome.status, outcome.message)
+                        RewardFailure(sample_index, name, outcome.status, outcome.message)
                     )
-                scores[spec.metric_name].append(value)
-                total += spec.weight * value
+                scores[metric].append(value)
+                total += weight * value
             rewards.append(total)
         self._log_failures(failures, len(samples))
-        metrics = _metrics(rewards, scores, failures)
+        metrics = {**_metrics(rewards, scores, failures), **judge_metrics}
         metrics["reward_seconds"] = time.monotonic() - start
         all_failed = self._functions_that_failed_everywhere(failures, len(samples))
         metrics["reward_functions_all_failed"] = float(len(all_failed))
@@ -144,9 +184,7 @@ class RewardRunner:
         for failure in failures:
             failed_samples.setdefault(failure.function, set()).add(failure.sample_index)
         return [
-            spec.name
-            for spec in self.specs
-            if len(failed_samples.get(spec.name, ())) == num_samples
+            name for name, _, _ in self.columns if len(failed_samples.get(name, ())) == num_samples
         ]
 
     def _stop_if_failing(self, all_failed: list[str], failures: list[RewardFailure]) -> None:
@@ -184,7 +222,8 @@ class RewardRunner:
             )
 
     def close(self) -> None:
-        self.pool.close()
+        if self.pool is not None:
+            self.pool.close()
 
     def __enter__(self) -> RewardRunner:
         return self

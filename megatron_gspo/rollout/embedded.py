@@ -50,6 +50,7 @@ from megatron_gspo.rollout.types import (
     GenerateResult,
     RolloutEngine,
     RolloutEngineError,
+    check_score_inputs,
     expand_samples,
 )
 from megatron_gspo.rollout.weight_loader import HFWeightLayout, iter_safetensors_directory
@@ -293,6 +294,57 @@ class EmbeddedEngine(RolloutEngine):
     def hf_state(self) -> Iterator[tuple[str, torch.Tensor]]:
         """The current weights under their on-disk HF names (views; copy before mutating)."""
         return self._layout.disk_state()
+
+    # ------------------------------------------------------------------ scoring
+
+    def score(
+        self,
+        prompts: Sequence[Sequence[int]],
+        responses: Sequence[Sequence[int]],
+        temperature: float = 1.0,
+    ) -> list[np.ndarray]:
+        """Teacher-forced log-probs (:meth:`RolloutEngine.score`): one forward per batch of at
+        most ``max_batch_size`` sequences, right-padded (causal attention: padding after a
+        sequence never reaches its positions), logits upcast to float32 before the
+        log-softmax as in generation."""
+        check_score_inputs(prompts, responses, temperature)
+        sequences = [[*map(int, p), *map(int, r)] for p, r in zip(prompts, responses)]
+        for index, sequence in enumerate(sequences):
+            if max(sequence) >= self.vocab_size:
+                raise ValueError(
+                    f"score: pair {index} has token id {max(sequence)} outside the vocabulary "
+                    f"(size {self.vocab_size})"
+                )
+            if len(sequence) > self.max_positions:
+                raise ValueError(
+                    f"score: pair {index} has {len(sequence)} tokens, more than "
+                    f"max_position_embeddings={self.max_positions}"
+                )
+        results: list[np.ndarray] = [np.zeros(0, dtype=np.float32)] * len(sequences)
+        # Similar lengths together: less padding per forward.
+        order = sorted(range(len(sequences)), key=lambda i: len(sequences[i]))
+        for begin in range(0, len(order), self.max_batch_size):
+            batch = order[begin : begin + self.max_batch_size]
+            width = max(len(sequences[i]) for i in batch)
+            input_ids = torch.zeros(len(batch), width, dtype=torch.long)
+            attention_mask = torch.zeros(len(batch), width, dtype=torch.long)
+            for row, index in enumerate(batch):
+                input_ids[row, : len(sequences[index])] = torch.tensor(sequences[index])
+                attention_mask[row, : len(sequences[index])] = 1
+            with self._model_lock, torch.inference_mode():
+                if self._closed:
+                    raise RolloutEngineError("embedded engine: score() after close()")
+                logits = self.hf_model(input_ids=input_ids, attention_mask=attention_mask).logits
+            for row, index in enumerate(batch):
+                prompt_length, response = len(prompts[index]), responses[index]
+                if not len(response):
+                    continue
+                # Position prompt_length + j - 1 predicts response token j.
+                rows = logits[row, prompt_length - 1 : prompt_length - 1 + len(response)]
+                log_probs = torch.log_softmax(rows.float() / temperature, dim=-1)
+                targets = torch.tensor([int(t) for t in response]).unsqueeze(-1)
+                results[index] = log_probs.gather(-1, targets).squeeze(-1).numpy().copy()
+        return results
 
     # ------------------------------------------------------------------ generation
 

@@ -91,6 +91,7 @@ _GENERATE_KEYS = {
     "return_routed_experts",
     "routed_experts_start_len",
     "stream",
+    "extra_key",  # SGLang's prefix-cache namespace: accepted, no cache here to namespace
 }
 # Sampling parameters this server honours, and the text-only or neutral ones it accepts at their
 # neutral value (anything else is refused rather than silently ignored).

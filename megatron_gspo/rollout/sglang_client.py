@@ -27,18 +27,22 @@ import logging
 import re
 import threading
 import time
+from collections import Counter
 from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
 from dataclasses import dataclass
 from typing import Any, Optional
 
+import numpy as np
 import requests
 
 from megatron_gspo.rollout.sglang_protocol import (
     RouteLayout,
     build_generate_payload,
+    build_score_payload,
     parse_generate_response,
+    parse_score_response,
     parse_weight_version,
 )
 from megatron_gspo.rollout.types import (
@@ -46,6 +50,7 @@ from megatron_gspo.rollout.types import (
     GenerateResult,
     RolloutEngine,
     RolloutEngineError,
+    check_score_inputs,
     expand_samples,
 )
 from megatron_gspo.weight_sync import SyncStats, WeightTransport, transport_from_config
@@ -126,6 +131,8 @@ class SGLangEngine(RolloutEngine):
         self._weight_version = initial_weight_version
         self._lock = threading.Lock()
         self._request_server: dict[str, str] = {}
+        self._session_servers: dict[str, _Server] = {}
+        """Sticky sessions: the server holding each open session's prefix."""
         self._executor: Optional[ThreadPoolExecutor] = None
         self._local = threading.local()
         self._on_close = list(on_close)
@@ -166,6 +173,11 @@ class SGLangEngine(RolloutEngine):
             max_concurrency=rollout.max_concurrency,
             api_key=api_key,
         )
+
+    @property
+    def cache_salt(self) -> str:
+        """The prefix-cache namespace of requests sent now: the weight version."""
+        return f"weights-v{self._weight_version}"
 
     @property
     def urls(self) -> list[str]:
@@ -310,30 +322,105 @@ class SGLangEngine(RolloutEngine):
             raise errors[0]
         return results
 
+    def score(
+        self,
+        prompts: Sequence[Sequence[int]],
+        responses: Sequence[Sequence[int]],
+        temperature: float = 1.0,
+    ) -> list[np.ndarray]:
+        """Teacher-forced log-probs (:meth:`RolloutEngine.score`) from SGLang's prompt
+        log-probs (:func:`build_score_payload`), in calls of at most ``max_requests_per_call``
+        pairs spread over the servers. SGLang computes prompt log-probs at temperature 1 only,
+        so any other temperature is refused."""
+        check_score_inputs(prompts, responses, temperature)
+        if temperature != 1.0:
+            raise RolloutEngineError(
+                f"SGLang scores prompt tokens at temperature 1 only (asked {temperature}); "
+                "score with an embedded engine, or sample at rollout.temperature=1"
+            )
+        results: list[np.ndarray] = [np.zeros(0, dtype=np.float32)] * len(prompts)
+        wanted = [index for index, response in enumerate(responses) if len(response)]
+        chunks = [
+            wanted[begin : begin + self.max_requests_per_call]
+            for begin in range(0, len(wanted), self.max_requests_per_call)
+        ]
+        if not chunks:
+            return results
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(
+                max_workers=self.max_concurrency, thread_name_prefix="sglang-generate"
+            )
+        futures = [
+            self._executor.submit(
+                self._score_call, [prompts[i] for i in chunk], [responses[i] for i in chunk]
+            )
+            for chunk in chunks
+        ]
+        for chunk, future in zip(chunks, futures):
+            for index, log_probs in zip(chunk, future.result()):
+                results[index] = log_probs
+        return results
+
+    def _score_call(
+        self, prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]]
+    ) -> list[np.ndarray]:
+        server = self._acquire_server()
+        try:
+            body = self.post_json(
+                server.url,
+                "/generate",
+                build_score_payload(prompts, responses),
+                timeout=self.request_timeout_s,
+            )
+            return parse_score_response(body, responses, source=server.url)
+        finally:
+            with self._lock:
+                server.in_flight -= 1
+
     def _chunks(self, requests: list[GenerateRequest]) -> list[list[GenerateRequest]]:
         """Consecutive requests with the same return flags, at most max_requests_per_call each."""
         chunks: list[list[GenerateRequest]] = []
         for request in requests:
-            flags = (request.return_logprob, request.return_routed_experts)
+            # A chunk goes to one server: requests of different sessions go apart (sticky).
+            flags = (request.return_logprob, request.return_routed_experts, request.session_id)
             last = chunks[-1] if chunks else None
             if (
                 last is None
                 or len(last) >= self.max_requests_per_call
-                or (last[0].return_logprob, last[0].return_routed_experts) != flags
+                or (last[0].return_logprob, last[0].return_routed_experts, last[0].session_id)
+                != flags
             ):
                 chunks.append([request])
             else:
                 last.append(request)
         return chunks
 
-    def _acquire_server(self) -> _Server:
+    def _acquire_server(self, session_id: Optional[str] = None) -> _Server:
+        """The server of the session (sticky: it holds the session's prefix in its cache), or,
+        for a new session or none, the least loaded: fewest calls in flight, then fewest open
+        sessions."""
         with self._lock:
-            server = min(self.servers, key=lambda s: s.in_flight)
+            server = self._session_servers.get(session_id) if session_id else None
+            if server is None:
+                held = Counter(id(s) for s in self._session_servers.values())
+                server = min(self.servers, key=lambda s: (s.in_flight, held[id(s)]))
+                if session_id:
+                    self._session_servers[session_id] = server
             server.in_flight += 1
             return server
 
+    def end_session(self, session_id: str) -> None:
+        with self._lock:
+            self._session_servers.pop(session_id, None)
+
+    def session_server(self, session_id: str) -> Optional[str]:
+        """The URL of the server holding an open session (None: not routed yet)."""
+        with self._lock:
+            server = self._session_servers.get(session_id)
+            return server.url if server is not None else None
+
     def _generate_call(self, chunk: list[GenerateRequest], n: int) -> list[GenerateResult]:
-        server = self._acquire_server()
+        server = self._acquire_server(chunk[0].session_id)
         request_ids = [request.request_id for request in chunk]
         with self._lock:
             self._request_server.update(dict.fromkeys(request_ids, server.url))
@@ -342,7 +429,10 @@ class SGLangEngine(RolloutEngine):
                 "POST",
                 server.url,
                 "/generate",
-                build_generate_payload(chunk, n),
+                # The prefix cache is salted by weight version (SGLang's extra_key namespaces
+                # the radix cache): a request of a new version never reuses KV that an old
+                # version computed, also when requests paused in place keep theirs.
+                {**build_generate_payload(chunk, n), "extra_key": self.cache_salt},
                 timeout=self.request_timeout_s,
                 retry_timeouts=False,
             )
@@ -489,6 +579,23 @@ class SGLangEngine(RolloutEngine):
     @property
     def needs_full_sync(self) -> bool:
         return self._needs_full_sync
+
+    def generation_client_options(self) -> dict[str, Any]:
+        """Keyword arguments of an :class:`SGLangEngine` that generates on the same servers
+        from another process (the producer processes of asynchronous training): the URLs, the
+        API key and the request limits; no weight transport, no restarters (weights and
+        recoveries stay with this client)."""
+        return {
+            "urls": [server.url for server in self.servers],
+            "route_layout": self.route_layout,
+            "request_timeout_s": self.request_timeout_s,
+            "control_timeout_s": self.control_timeout_s,
+            "max_retries": self.max_retries,
+            "retry_backoff_s": self.retry_backoff_s,
+            "max_concurrency": self.max_concurrency,
+            "max_requests_per_call": self.max_requests_per_call,
+            "api_key": self._headers.get("Authorization", "").removeprefix("Bearer ") or None,
+        }
 
     def _answers(self, url: str) -> bool:
         try:

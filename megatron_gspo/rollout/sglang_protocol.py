@@ -150,6 +150,57 @@ def build_generate_payload(requests: Sequence[GenerateRequest], n: int = 1) -> d
     return payload
 
 
+def build_score_payload(
+    prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]]
+) -> dict[str, Any]:
+    """The ``/generate`` body that scores each ``prompt + response`` teacher-forced: nothing
+    generated (``max_new_tokens=0``), the prompt log-probs asked from position ``len(prompt) -
+    1`` on. SGLang 0.5.23 answers ``input_token_logprobs`` ``[[logprob, token_id, text], ...]``
+    for the tokens from ``logprob_start_len`` on, the first entry's log-prob null (it computes
+    the predictions made at the positions from ``logprob_start_len`` on, so the token at that
+    position itself gets none), and at temperature 1 whatever ``temperature`` says
+    (docs/distillation.md; checked against a float64 forward by tests/real_sglang)."""
+    return {
+        "input_ids": [[*map(int, p), *map(int, r)] for p, r in zip(prompts, responses)],
+        "sampling_params": [{"max_new_tokens": 0, "temperature": 1.0} for _ in prompts],
+        "return_logprob": True,
+        "logprob_start_len": [len(p) - 1 for p in prompts],
+        "top_logprobs_num": 0,
+    }
+
+
+def parse_score_response(
+    body: Any, responses: Sequence[Sequence[int]], *, source: str = "SGLang"
+) -> list[np.ndarray]:
+    """``[R_i]`` float32 log-probs of each response from the answer to
+    :func:`build_score_payload` (its first, null entry dropped), the token ids checked."""
+    items = body if isinstance(body, list) else [body]
+    if len(items) != len(responses):
+        raise RolloutEngineError(
+            f"{source}: {len(items)} answers to {len(responses)} scoring requests"
+        )
+    results = []
+    for index, (item, response) in enumerate(zip(items, responses)):
+        entries = (
+            (item.get("meta_info") or {}).get("input_token_logprobs")
+            if isinstance(item, dict)
+            else None
+        )
+        if not isinstance(entries, list) or len(entries) != len(response) + 1:
+            raise RolloutEngineError(
+                f"{source}: scoring answer {index} holds {len(entries or [])} prompt log-probs, "
+                f"expected {len(response) + 1} (the last prompt token and {len(response)} "
+                "response tokens)"
+            )
+        tokens = [int(entry[1]) for entry in entries[1:]]
+        if tokens != [int(t) for t in response]:
+            raise RolloutEngineError(
+                f"{source}: scoring answer {index} scored tokens {tokens}, not {list(response)}"
+            )
+        results.append(np.array([float(entry[0]) for entry in entries[1:]], dtype=np.float32))
+    return results
+
+
 def parse_weight_version(value: Any) -> int:
     """SGLang's weight version string as our int (``"default"``, a fresh server's, is 0)."""
     if value is None or value == "default":
@@ -264,6 +315,9 @@ def _parse_item(
         if isinstance(finish.get("matched"), int)
         else None,
         abort_message=finish.get("message") if finish["type"] == "abort" else None,
+        cached_tokens=(
+            int(meta["cached_tokens"]) if isinstance(meta.get("cached_tokens"), int) else None
+        ),
     )
 
 

@@ -56,6 +56,9 @@ class GenerateRequest:
     return_logprob: bool = True
     return_routed_experts: bool = False
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    session_id: Optional[str] = None
+    """The episode (chat session) the request belongs to: an engine with several servers sends
+    every request of a session to the server holding its prefix (sticky sessions); None: any."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "input_ids", [int(token) for token in self.input_ids])
@@ -114,6 +117,9 @@ class GenerateResult:
     """The stop token that ended the sample (finish_reason == "stop")."""
     abort_message: Optional[str] = None
     """Why the sample was aborted (finish_reason == "abort")."""
+    cached_tokens: Optional[int] = None
+    """Prompt tokens the engine took from its prefix cache (SGLang's ``meta_info.cached_tokens``);
+    None when the engine does not say."""
 
     def __post_init__(self) -> None:
         if self.finish_reason not in FINISH_REASONS:
@@ -234,6 +240,19 @@ class RolloutEngine(abc.ABC):
         """Load full (unsharded) tensors under their on-disk Hugging Face names and set the
         weight version. Strict: unknown or missing names and shape mismatches raise."""
 
+    def score(
+        self,
+        prompts: Sequence[Sequence[int]],
+        responses: Sequence[Sequence[int]],
+        temperature: float = 1.0,
+    ) -> list[np.ndarray]:
+        """Teacher-forced log-probs: for each pair ``(prompts[i], responses[i])`` the ``[R_i]``
+        float32 ``log_softmax(logits / temperature)[responses[i][j]]`` of the model's prediction
+        at position ``len(prompts[i]) + j - 1`` (the convention of ``output_log_probs``), for
+        the whole batch in one call. Nothing is generated and no weight changes. Engines
+        that cannot score raise :class:`RolloutEngineError`."""
+        raise RolloutEngineError(f"{type(self).__name__} cannot score given tokens")
+
     def release_memory(self) -> None:
         """Free the engine's accelerator memory for the trainer until the next
         :meth:`sync_weights` (``rollout.sglang.release_memory``). Engines in the trainer's
@@ -263,6 +282,10 @@ class RolloutEngine(abc.ABC):
         the trainer's: :meth:`generate` refuses until a :meth:`sync_weights` succeeded."""
         return False
 
+    def end_session(self, session_id: str) -> None:  # noqa: B027 - optional hook
+        """Forget a session's server (sticky sessions, :attr:`GenerateRequest.session_id`):
+        the session's episode ended. Engines without session routing keep nothing."""
+
     def info(self) -> dict[str, Any]:
         """Static description of the engine (kind, model, versions) for logs."""
         return {"engine": type(self).__name__, "weight_version": self.weight_version}
@@ -275,6 +298,23 @@ class RolloutEngine(abc.ABC):
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
+
+
+def check_score_inputs(
+    prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]], temperature: float
+) -> None:
+    """Raise ValueError unless :meth:`RolloutEngine.score`'s arguments make sense: as many
+    prompts as responses, every prompt non-empty (its last token predicts the first response
+    token), token ids >= 0, a positive temperature."""
+    if len(prompts) != len(responses):
+        raise ValueError(f"score: {len(prompts)} prompts for {len(responses)} responses")
+    if not temperature > 0:
+        raise ValueError(f"score: temperature={temperature} is not > 0")
+    for index, (prompt, response) in enumerate(zip(prompts, responses)):
+        if not len(prompt):
+            raise ValueError(f"score: prompt {index} is empty")
+        if min(prompt) < 0 or (len(response) and min(response) < 0):
+            raise ValueError(f"score: pair {index} has negative token ids")
 
 
 def sync_weights_paused(

@@ -39,6 +39,9 @@ class TrainSample:
     not report it); ``weight_version`` is the oldest."""
     ref_log_probs: Optional[torch.Tensor] = None
     """``[R]`` float32 log-probs under the frozen reference policy."""
+    teacher_log_probs: Optional[torch.Tensor] = None
+    """``[R]`` float32 log-probs of the response tokens under the distillation teacher
+    (teacher-forced through its engine, at the rollout temperature; ``algo.distillation``)."""
     rollout_routes: Optional[torch.Tensor] = None
     """``[L - 1, M, K]`` uint8/int16 expert ids per token and MoE layer from the rollout engine
     (its last token never ran forward, so there are L - 1 rows; format: :mod:`megatron_gspo.

@@ -16,6 +16,10 @@ logs) calls :func:`check_before_start`, which checks
 - the rollout engine's own check (:data:`ENGINE_START_CHECKS`): for SGLang, the servers answer
   or what launching them needs is there (none for a replayed run, which starts no engine),
 - a replayed run's recorded batches (``rollout.replay_dir``): one for every step,
+- the extra models (``models.<role>``: :func:`megatron_gspo.rollout.roles.role_start_problems`):
+  their directories, and the policy's tokenizer where a role needs it (the teacher); the
+  judge's own tokenizer (``reward.judge``: :func:`megatron_gspo.rollout.judge_backend.
+  judge_start_problems`),
 
 and raises one :class:`StartupErrors` listing each problem as what / why / how to fix.
 :func:`prepare_output_dir` then clears the previous run's outputs when ``overwrite_output_dir``
@@ -24,6 +28,7 @@ allows it.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shutil
@@ -41,6 +46,8 @@ from megatron_gspo.data.synthetic import check_task
 from megatron_gspo.data.tokenizer import load_tokenizer
 from megatron_gspo.envs.base import EnvironmentSpec, load_environment
 from megatron_gspo.reward.functions import check_reward_function, load_reward_function, reward_specs
+from megatron_gspo.rollout.judge_backend import judge_start_problems
+from megatron_gspo.rollout.roles import role_start_problems
 from megatron_gspo.rollout.sglang_engine import sglang_start_problems
 from megatron_gspo.runtime.checkpoint_files import checkpoint_root, latest_checkpoint
 from megatron_gspo.samples.recorded_batch import (
@@ -63,6 +70,8 @@ def check_before_start(cfg: TrainConfig) -> None:
         _environment,
         _rollout_engine,
         _replay,
+        _extra_models,
+        judge_start_problems,
     ):
         errors += check(cfg)
     if errors:
@@ -330,6 +339,20 @@ def _rollout_engine(cfg: TrainConfig) -> list[ConfigError]:
         return []  # a replayed run starts no engine
     check = ENGINE_START_CHECKS.get(cfg.rollout.engine)
     return [] if check is None else check(cfg)
+
+
+def _extra_models(cfg: TrainConfig) -> list[ConfigError]:
+    """Every extra model (``models.<role>``): its directory, and the policy's tokenizer where
+    its role needs the same one (the policy's tokenizer problems are :func:`_data_and_tokenizer`'s)."""
+    if not cfg.models:
+        return []
+    model, _ = _resolved_model(cfg)
+    tokenizer = None
+    if model is not None:
+        # A tokenizer that cannot be loaded is reported by _data_and_tokenizer.
+        with contextlib.suppress(ConfigError):
+            tokenizer, _ = load_tokenizer(cfg.data, model)
+    return role_start_problems(cfg, tokenizer)
 
 
 def _replay(cfg: TrainConfig) -> list[ConfigError]:

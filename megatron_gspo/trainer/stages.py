@@ -8,11 +8,17 @@ collective, and advantages come out the same everywhere without communication.
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Optional
 
 import torch
 
-from megatron_gspo.algo import AdvantageSettings, RunningMoments, compute_advantages
+from megatron_gspo.algo import (
+    AdvantageSettings,
+    DistillationSettings,
+    RunningMoments,
+    compute_advantages,
+    distillation_advantages,
+)
 from megatron_gspo.config import AlgoConfig, TrainConfig
 from megatron_gspo.metrics.step import reduce_step_metrics
 from megatron_gspo.runtime.seeds import step_seed
@@ -79,9 +85,31 @@ def set_reference_log_probs(engine: TrainEngine, samples: list[TrainSample]) -> 
 
 
 def assign_advantages(
-    samples: list[TrainSample], settings: AdvantageSettings, moments: RunningMoments
+    samples: list[TrainSample],
+    settings: AdvantageSettings,
+    moments: RunningMoments,
+    distillation: Optional[DistillationSettings] = None,
 ) -> dict[str, float]:
-    """Compute advantages from rewards (same on every rank: every rank holds every sample)."""
+    """Compute advantages from rewards (same on every rank: every rank holds every sample),
+    with the distillation teacher's term when ``distillation`` is set (the samples then carry
+    ``teacher_log_probs``, and ``old_log_probs`` are the student's).
+
+    Per-turn samples of one episode (an agent's, ``metadata["episode"]``) count as that one
+    episode: their advantages are computed on its view (:func:`_episode_views`) and split back,
+    so an episode of K turns weighs in its group as one episode, not K."""
+    if any("episode" in sample.metadata for sample in samples):
+        views, parts = _episode_views(samples)
+        metrics = assign_advantages(views, settings, moments, distillation)
+        for view, members in zip(views, parts):
+            offset = 0
+            for sample in members:
+                if view.advantages.dim() == 0:
+                    sample.advantages = view.advantages.clone()
+                else:
+                    length = sample.response_length
+                    sample.advantages = view.advantages[offset : offset + length].clone()
+                    offset += length
+        return metrics
     rewards = torch.tensor([s.reward for s in samples], dtype=torch.float64)
     group_ids = torch.tensor([s.group_id for s in samples])
     lengths = torch.tensor([int(s.response_mask().sum()) for s in samples], dtype=torch.float64)
@@ -94,7 +122,12 @@ def assign_advantages(
     advantages, metrics = compute_advantages(
         rewards, group_ids, settings, response_lengths=lengths, running=moments, **kl_inputs
     )
-    if settings.per_token:
+    if distillation is not None:
+        advantages, distillation_metrics = distillation_advantages(
+            advantages, **_padded_teacher_inputs(samples), settings=distillation
+        )
+        metrics.update(distillation_metrics)
+    if advantages.dim() == 2:
         for sample, token_advantages in zip(samples, advantages):
             sample.advantages = token_advantages[: sample.response_length].clone()
     else:
@@ -103,6 +136,44 @@ def assign_advantages(
     values = torch.cat([s.advantages.reshape(-1).float() for s in samples])
     metrics.update({"advantage_mean": values.mean(), "advantage_abs_mean": values.abs().mean()})
     return {name: float(value) for name, value in metrics.items()}
+
+
+def _episode_views(
+    samples: list[TrainSample],
+) -> tuple[list[TrainSample], list[list[TrainSample]]]:
+    """One sample per episode: per-turn samples with the same ``metadata["episode"]`` become one
+    view whose response is their responses one after another (masks, turns, log-probs
+    likewise), with the episode's reward, turn rewards and group; other samples are their own
+    view. Returns the views and, per view, the samples it stands for (in order)."""
+    members: dict[object, list[TrainSample]] = {}
+    for index, sample in enumerate(samples):
+        members.setdefault(sample.metadata.get("episode", ("sample", index)), []).append(sample)
+    views = []
+    for parts in members.values():
+        if len(parts) == 1 and "episode" not in parts[0].metadata:
+            views.append(parts[0])
+            continue
+
+        def joined(name: str, parts: list[TrainSample] = parts) -> Optional[torch.Tensor]:
+            values = [getattr(part, name, None) for part in parts]
+            return None if any(v is None for v in values) else torch.cat(values)
+
+        view = TrainSample(
+            tokens=torch.cat([part.tokens[part.prompt_length :] for part in parts]),
+            prompt_length=0,
+            group_id=parts[0].group_id,
+            loss_mask=torch.cat([part.response_mask() for part in parts]),
+            old_log_probs=joined("old_log_probs"),
+            ref_log_probs=joined("ref_log_probs"),
+            turns=joined("turns"),
+            turn_rewards=parts[0].turn_rewards,
+            reward=parts[0].reward,
+        )
+        teacher = joined("teacher_log_probs")
+        if teacher is not None:
+            view.teacher_log_probs = teacher
+        views.append(view)
+    return views, list(members.values())
 
 
 def _padded_turns(samples: list[TrainSample]) -> dict[str, torch.Tensor]:
@@ -132,6 +203,26 @@ def _padded_turns(samples: list[TrainSample]) -> dict[str, torch.Tensor]:
         "token_turns": token_turns,
         "response_mask": mask,
     }
+
+
+def _padded_teacher_inputs(samples: list[TrainSample]) -> dict[str, torch.Tensor]:
+    """The student's (old) and the teacher's log-probs and the response mask, ``[B, T]``
+    padded (distillation)."""
+    width = max(s.response_length for s in samples)
+    student = torch.zeros(len(samples), width, dtype=torch.float64)
+    teacher = student.clone()
+    mask = torch.zeros(len(samples), width, dtype=torch.bool)
+    for row, sample in enumerate(samples):
+        if sample.teacher_log_probs is None or sample.old_log_probs is None:
+            raise RuntimeError(
+                "distillation needs every sample's teacher_log_probs (scored by the teacher's "
+                "engine in the driver) and old_log_probs (the student's)"
+            )
+        length = sample.response_length
+        student[row, :length] = sample.old_log_probs.double()
+        teacher[row, :length] = sample.teacher_log_probs.double()
+        mask[row, :length] = sample.response_mask()
+    return {"student_log_probs": student, "teacher_log_probs": teacher, "response_mask": mask}
 
 
 def _padded_log_probs(samples: list[TrainSample]) -> dict[str, torch.Tensor]:

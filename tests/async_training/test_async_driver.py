@@ -45,14 +45,6 @@ def config(tmp_path, **rollout) -> TrainConfig:
     )
 
 
-@pytest.fixture(scope="module")
-def policies():
-    """Weights for versions 0, 1, 2, ...: other random models of the run's architecture (the
-    trainer's updates, as far as the driver can tell)."""
-    model = TrainConfig().model
-    return [list(EmbeddedEngine(model, seed=100 + k).hf_state()) for k in range(4)]
-
-
 def run_steps(driver, policies, steps: int, training=None) -> list:
     """The loop's calls to the driver for ``steps`` steps; the batches it returned. ``training``
     runs where the trainer would update (before the step's sync)."""

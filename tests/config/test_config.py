@@ -166,11 +166,14 @@ def test_unknown_preset_name():
         # SGLang cannot honour min_new_tokens the way the trainer recomputes (tests/real_sglang)
         (["rollout.engine=sglang", "rollout.min_new_tokens=4"], "rollout.min_new_tokens"),
         (["rollout.weight_sync_port=70000"], "rollout.weight_sync_port"),
-        # what the asynchronous producer does not do yet, and detach with stale samples
-        (["rollout.max_staleness=1", "algo.dynamic_sampling=true"], "algo.dynamic_sampling"),
+        # producer processes: only ahead of training, only with an engine reachable over HTTP
+        (["rollout.producer_processes=2"], "rollout.producer_processes"),
+        (["rollout.max_staleness=1", "rollout.producer_processes=2"],
+         "rollout.producer_processes"),
+        (["rollout.producer_processes=-1"], "rollout.producer_processes"),
+        # detach would train stale samples as if fresh
         (["rollout.max_staleness=1", "algo.old_log_prob_source=detach"],
          "algo.old_log_prob_source"),
-        (["rollout.max_staleness=1", "env.name=multiply_tool"], "env.name"),
         (["rollout.max_staleness=-1"], "rollout.max_staleness"),
     ],
 )  # fmt: skip
@@ -202,6 +205,25 @@ def test_boundaries_that_are_valid():
         ],
     )
     assert config.algo.dual_clip_constant == 1.0005
+
+
+def test_asynchronous_episodes_and_dynamic_sampling_are_accepted():
+    """Environments, DAPO's dynamic sampling and producer processes with max_staleness >= 1
+    (docs/async.md)."""
+    config = load_quietly(
+        None,
+        [
+            "rollout.max_staleness=1",
+            "algo.dynamic_sampling=true",
+            "data.task=multiply",
+            "model.vocab_size=24",
+            "env.name=multiply_tool",
+            "rollout.engine=embedded_http",
+            "rollout.producer_processes=2",
+        ],
+    )
+    assert config.rollout.max_staleness == 1 and config.env.name == "multiply_tool"
+    assert config.rollout.producer_processes == 2
 
 
 def caught_config_warnings(**algo):

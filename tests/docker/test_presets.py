@@ -2,8 +2,9 @@
 for, and describes the real model.
 
 The model sizes are checked against the published Hugging Face config.json of Qwen3-30B-A3B and
-Mixtral-8x7B-Instruct-v0.1 (copied below from the model repositories), read through the same
-function that reads ``model.hf_path`` at run time.
+Mixtral-8x7B-Instruct-v0.1 (copied below from the model repositories), GLM-4.5-Air and DeepSeek-V3
+(copied in tests/convert/tiny_models.py; the DeepSeek-V3-shaped preset differs in its depth
+only), read through the same function that reads ``model.hf_path`` at run time.
 """
 
 from __future__ import annotations
@@ -17,18 +18,22 @@ import pytest
 from megatron_gspo.config import ConfigWarning, TrainConfig, to_dict
 from megatron_gspo.config.loader import EXAMPLES_DIR, load_config
 from megatron_gspo.convert.hf_config import model_config_fields_from_hf, model_config_from_hf
+from tests.convert.tiny_models import DEEPSEEK_V3_CONFIG, GLM_4_5_AIR_CONFIG
 
 PRESETS = sorted(path.stem for path in Path(EXAMPLES_DIR).glob("*.yaml"))
 
 # Preset -> the number of trainer processes it is laid out for.
 WORLD_SIZES = {
     "cpu_demo": 1,
+    "cpu_demo_distill": 1,
     "cpu_tiny_4proc": 4,
     "cpu_tool_use": 1,
     "qwen3_30b_a3b_gspo_1node": 8,
     "qwen3_30b_a3b_gspo_4node": 32,
     "qwen3_30b_a3b_grpo_r3": 32,
     "mixtral_8x7b_gspo": 32,
+    "glm45_air_gspo_4node": 32,
+    "deepseek_v3_shaped_gspo_4node": 32,
 }
 
 QWEN3_30B_A3B_CONFIG = {  # huggingface.co/Qwen/Qwen3-30B-A3B, config.json
@@ -94,13 +99,29 @@ MIXTRAL_8X7B_CONFIG = {  # huggingface.co/mistralai/Mixtral-8x7B-Instruct-v0.1, 
     "vocab_size": 32000,
 }
 
+DEEPSEEK_V3_SHAPED_CONFIG = {
+    **{key: value for key, value in DEEPSEEK_V3_CONFIG.items() if key != "quantization_config"},
+    "num_hidden_layers": 8,
+}
+"""The DeepSeek-V3-shaped preset's model: the published DeepSeek-V3 config.json (tests/convert/
+tiny_models.py) at 8 layers instead of 61, in bf16 (an fp8 ``quantization_config`` is refused);
+examples/moe/deepseek_v3_shaped_gspo_4node.yaml and docs/deepseek-v3.md, section 7."""
+
 MODEL_OF_PRESET = {
     "qwen3_30b_a3b_gspo_1node": QWEN3_30B_A3B_CONFIG,
     "qwen3_30b_a3b_gspo_4node": QWEN3_30B_A3B_CONFIG,
     "qwen3_30b_a3b_grpo_r3": QWEN3_30B_A3B_CONFIG,
     "mixtral_8x7b_gspo": MIXTRAL_8X7B_CONFIG,
+    "glm45_air_gspo_4node": GLM_4_5_AIR_CONFIG,  # huggingface.co/zai-org/GLM-4.5-Air
+    "deepseek_v3_shaped_gspo_4node": DEEPSEEK_V3_SHAPED_CONFIG,
 }
-GSPO_GPU_PRESETS = ("qwen3_30b_a3b_gspo_1node", "qwen3_30b_a3b_gspo_4node", "mixtral_8x7b_gspo")
+GSPO_GPU_PRESETS = (
+    "qwen3_30b_a3b_gspo_1node",
+    "qwen3_30b_a3b_gspo_4node",
+    "mixtral_8x7b_gspo",
+    "glm45_air_gspo_4node",
+    "deepseek_v3_shaped_gspo_4node",
+)
 
 
 def load(preset: str, overrides: list[str] | None = None) -> TrainConfig:

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import pytest
 
+from megatron_gspo.driver.ledger import read_trained_prompts
+
 from .harness import TINY, assert_records_equal, assert_required_metrics, run_train
 
 TOOL_TASK = (
@@ -93,3 +95,37 @@ def test_the_tool_use_preset_cold_start_teaches_the_tool_protocol(tmp_path):
     assert record["env/done_frac"] > 0.4, record
     assert record["env/step_errors"] == 0.0
     assert record["reward_mean"] > 0.07, record
+
+
+def test_asynchronous_tool_task_trains_within_the_bound_each_prompt_once(tmp_path):
+    """Multi-turn episodes one step off-policy (rollout.max_staleness=1): every step trains
+    within the bound (step 1 on episodes of the weights before step 0's update), with
+    per-turn advantages and the sequence correction toward the engine's per-token behaviour
+    log-probs, and each prompt is trained once. (Producer processes:
+    tests/async_training/test_async_episodes.py; the killed and resumed run: tests/e2e/
+    test_async.py.)"""
+    output_dir = tmp_path / "out"
+    run = run_train(
+        output_dir,
+        [
+            "steps=2",
+            *TOOL_TASK,
+            "sft_warmup_steps=2",
+            "algo.rollout_batch_size=2",
+            "algo.num_return_sequences_in_group=4",
+            "algo.num_mini_batches=2",
+            "algo.importance_sampling=seq_token",
+            "algo.advantage_level=turn",
+            "algo.rollout_correction.level=sequence",
+            "rollout.max_staleness=1",
+        ],
+    )
+    records = run.metrics()
+    assert_required_metrics(records, steps=2)
+    for record in records:
+        assert record["staleness_max"] <= 1.0
+        assert 1.0 <= record["env/turns_mean"] <= 3.0
+        assert record["env/step_errors"] == 0.0
+    assert records[1]["staleness_max"] == 1.0
+    trained = [i for line in read_trained_prompts(output_dir) for i in line["prompt_ids"]]
+    assert len(trained) == len(set(trained)) == 2 * 2

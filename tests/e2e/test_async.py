@@ -36,6 +36,7 @@ from .harness import (
     train_command,
     wait_for_step,
 )
+from .test_agentic import TOOL_TASK
 
 SERVER_PROCESS = (
     "rollout.engine=embedded_http",
@@ -58,12 +59,14 @@ def latest_data_state(output_dir: Path) -> dict:
 
 
 def assert_exactly_once(output_dir: Path, steps: int) -> list[int]:
-    """Each step has one line; trained and pending prompts are the served ones, each once."""
+    """Each step has one line; trained, dropped (dynamic sampling) and pending prompts are the
+    served ones, each once."""
     lines = read_trained_prompts(output_dir)
     assert [line["step"] for line in lines] == list(range(steps)), lines
     trained = [prompt for line in lines for prompt in line["prompt_ids"]]
+    dropped = [prompt for line in lines for prompt in line.get("dropped_prompt_ids", [])]
     state = latest_data_state(output_dir)
-    counts = Counter(trained + state["pending_prompt_ids"])
+    counts = Counter(trained + dropped + state["pending_prompt_ids"])
     twice = sorted(prompt for prompt, count in counts.items() if count > 1)
     assert not twice, f"trained (or pending) twice: {twice}"
     assert sorted(counts) == list(range(state["consumed"])), "a served prompt was lost"
@@ -113,6 +116,41 @@ def test_bound_zero_is_the_synchronous_loop_bit_for_bit(gspo_run, tmp_path):
     assert read_trained_prompts(output_dir) == read_trained_prompts(gspo_run.output_dir)[:2]
     assert_same_checkpoint_tensors(
         gspo_run.output_dir / "checkpoints" / "step_000002",
+        output_dir / "checkpoints" / "step_000002",
+    )
+
+
+@pytest.mark.slow
+def test_bound_zero_is_the_synchronous_loop_bit_for_bit_with_episodes(tmp_path):
+    """The same with multi-turn episodes (three turns each: every digit ends a turn, with
+    per-turn advantages): the asynchronous driver at bound 0 gives the synchronous run's
+    metrics, trained prompts, weights and optimizer state bit for bit."""
+    overrides = [
+        "steps=2",
+        *TINY,
+        "algo.response_length=24",
+        "env.name=tests.envs.scripted:ScriptedEnvironment",
+        "env.max_turns=3",
+        "+env.options.turns=3",
+        "+env.options.stop_token_ids=[0,1,2,3,4,5,6,7,8,9]",
+        "+env.options.turn_reward=0.25",
+        "algo.importance_sampling=seq_token",
+        "algo.advantage_level=turn",
+        "checkpoint.interval=2",
+    ]
+    synchronous = run_train(tmp_path / "sync", overrides)
+    output_dir = tmp_path / "async"
+    worker = [sys.executable, str(Path(__file__).with_name("async_bound_zero.py"))]
+    launch = start([*worker, *overrides, f"output_dir={output_dir}"], output_dir)
+    assert launch.wait(timeout=600) == 0, tail(launch.log)
+    reference, records = synchronous.metrics(), launch.metrics()
+    assert len(records) == len(reference) == 2 and "staleness_max" in records[0]
+    assert all(record["env/turns_mean"] > 1.0 for record in records)
+    for want, got in zip(reference, records):
+        assert_records_equal(want, got)
+    assert read_trained_prompts(output_dir) == read_trained_prompts(synchronous.output_dir)
+    assert_same_checkpoint_tensors(
+        synchronous.output_dir / "checkpoints" / "step_000002",
         output_dir / "checkpoints" / "step_000002",
     )
 
@@ -234,10 +272,13 @@ def test_engine_that_cannot_come_back_stops_with_a_checkpoint(tmp_path):
 
 
 @pytest.mark.slow
-def test_every_prompt_trained_once_across_sigkills(tmp_path):
+@pytest.mark.parametrize("episodes", [False, True], ids=["completions", "tool_episodes"])
+def test_every_prompt_trained_once_across_sigkills(tmp_path, episodes):
     """SIGKILL the trainer while a checkpoint is being written, then twice at random moments
     (generating, updating, saving), resuming each time: the final record trains every prompt
-    the stream served once, none twice, none lost."""
+    the stream served once, none twice, none lost. ``tool_episodes``: the same with multi-turn
+    episodes of the tool task made by two producer processes on the loopback server's process,
+    and DAPO's dynamic sampling (dropped prompts count as consumed, once)."""
     output_dir = tmp_path / "out"
     steps = 8
     overrides = [
@@ -247,6 +288,14 @@ def test_every_prompt_trained_once_across_sigkills(tmp_path):
         "checkpoint.interval=1",
         f"output_dir={output_dir}",
     ]
+    if episodes:
+        overrides += [
+            *TOOL_TASK,
+            "algo.dynamic_sampling=true",
+            "algo.dynamic_sampling_max_rounds=2",
+            "rollout.producer_processes=2",
+            *SERVER_PROCESS,
+        ]
     chance = random.Random(15)
     kills = ["during a checkpoint save", "at random", "at random"]
     killed = 0

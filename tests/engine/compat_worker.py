@@ -149,6 +149,69 @@ def need_probes() -> dict:
     }
 
 
+def workaround_need_probes() -> dict:
+    """workaround name -> probe returning True when upstream still needs it (on any device)."""
+    from types import SimpleNamespace
+
+    from megatron.core.transformer import multi_latent_attention
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    def count_routed_tokens() -> bool:
+        # Upstream's own count (the compiled wrapper's original: no torch.compile on CPU here)
+        # with 3 tokens, 4 experts and a padding mask: [3, 4] & [3] does not broadcast.
+        upstream = TopKRouter._apply_expert_bias
+        upstream = getattr(upstream, "_torchdynamo_orig_callable", upstream)
+        router = SimpleNamespace(enable_expert_bias=True, local_tokens_per_expert=torch.zeros(4))
+        routing_map = torch.ones(3, 4, dtype=torch.bool)
+        padding_mask = torch.tensor([False, False, True])
+        return _raises(lambda: upstream(router, routing_map, padding_mask))
+
+    def allow_mla_without_transformer_engine() -> bool:
+        # MultiLatentAttention.__init__ runs ``HAVE_TE and isinstance(self.linear_proj,
+        # TELinear)``: it raises where HAVE_TE is true and TELinear is not a type.
+        te_linear = getattr(multi_latent_attention, "TELinear", None)
+        return (
+            bool(getattr(multi_latent_attention, "HAVE_TE", False))
+            and te_linear is not None
+            and _raises(lambda: isinstance(object(), te_linear))
+        )
+
+    return {
+        "count_routed_tokens": count_routed_tokens,
+        "allow_mla_without_transformer_engine": allow_mla_without_transformer_engine,
+    }
+
+
+def workaround_checks() -> dict:
+    """workaround name -> check that, with the workaround where the installed version needs it,
+    the covered call works (run after the necessity probes: the MLA one patches a global)."""
+    from types import SimpleNamespace
+
+    from megatron.core.transformer import multi_latent_attention
+
+    def count_routed_tokens() -> bool:
+        router = SimpleNamespace(enable_expert_bias=True, local_tokens_per_expert=torch.zeros(4))
+        routing_map = torch.tensor([[1, 1, 0, 0], [0, 1, 1, 0], [0, 0, 1, 1]], dtype=torch.bool)
+        padding_mask = torch.tensor([False, False, True])  # the last token is padding
+        compat.count_routed_tokens(router, routing_map, padding_mask)
+        assert torch.equal(router.local_tokens_per_expert, torch.tensor([1.0, 2.0, 1.0, 0.0]))
+        with torch.no_grad():  # recomputation and evaluation do not count
+            compat.count_routed_tokens(router, routing_map, padding_mask)
+        return torch.equal(router.local_tokens_per_expert, torch.tensor([1.0, 2.0, 1.0, 0.0]))
+
+    def allow_mla_without_transformer_engine() -> bool:
+        compat.allow_mla_without_transformer_engine()
+        te_linear = getattr(multi_latent_attention, "TELinear", None)
+        if te_linear is None:  # upstream guards its isinstance with HAVE_TE
+            return not multi_latent_attention.HAVE_TE
+        return isinstance(te_linear, type) and not isinstance(torch.nn.Linear(2, 2), te_linear)
+
+    return {
+        "count_routed_tokens": count_routed_tokens,
+        "allow_mla_without_transformer_engine": allow_mla_without_transformer_engine,
+    }
+
+
 def norm_probe() -> bool:
     """WrappedTorchNorm (local spec without apex) still rejects sequence parallel, which is why
     the local spec uses cpu_shims.SequenceParallelTorchNorm."""
@@ -441,7 +504,11 @@ def main() -> None:
         },
     }
     out["extensions_fit"] = run(extension_checks())
-    out["need"] = probe(need_probes() | {"sequence_parallel_norm": norm_probe})
+    out["need"] = probe(
+        need_probes() | workaround_need_probes() | {"sequence_parallel_norm": norm_probe}
+    )
+    out["workarounds"] = [workaround.name for workaround in compat.registered_workarounds()]
+    out["workarounds_work"] = run(workaround_checks())
 
     real_is_available = torch.cuda.is_available
     real_current_device = torch.cuda.current_device

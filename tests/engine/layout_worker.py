@@ -27,12 +27,15 @@ import torch.distributed as dist
 
 warnings.filterwarnings("ignore")
 
+from megatron_gspo.algo import RunningMoments, advantage_settings  # noqa: E402
+from megatron_gspo.algo import distillation_settings as make_distillation_settings  # noqa: E402
 from megatron_gspo.config import TrainConfig, from_dict  # noqa: E402
 from megatron_gspo.engine.optimizer_state import sub_optimizers  # noqa: E402
 from megatron_gspo.engine.parallel import destroy_parallel  # noqa: E402
 from megatron_gspo.engine.sharding import gather_full_state, iter_global_parameters  # noqa: E402
 from megatron_gspo.engine.train_step import TrainEngine  # noqa: E402
 from megatron_gspo.samples import TrainSample  # noqa: E402
+from megatron_gspo.trainer.stages import assign_advantages  # noqa: E402
 
 VOCAB = 64
 MODELS = {
@@ -113,8 +116,14 @@ VARIANTS = {
     "geo_mask": dict(rollout_correction=dict(level="sequence", mode="mask", low=0.95, high=1.05)),
     "cispo": dict(importance_sampling="token", surrogate="cispo", cispo=dict(weight_high=1.005)),
     "gmpo": dict(importance_sampling="token", surrogate="gmpo", gmpo=dict(log_clip=0.01)),
+    # On-policy distillation's teacher term added to the RL advantages, per token (GSPO-token);
+    # run_case computes the advantages with the trainer's stage from make_samples' teacher
+    # log-probs.
+    "distill": dict(importance_sampling="seq_token", distillation=dict(mode="added", kl_coef=0.5)),
 }
 """Case name -> algo overrides on the ``moe`` model."""
+DISTILLATION_CASES = ("distill",)
+"""Cases whose samples get the teacher's term in their (per-token) advantages."""
 BF16_CASES = {"bf16": "moe"}
 """Case name -> the model case it runs with ``model.dtype=bfloat16`` (bf16 parameters and compute,
 fp32 main parameters in the optimizer, gradients accumulated and reduced in fp32)."""
@@ -158,8 +167,27 @@ def make_config(case: str, layout: str, micro_batch_tokens: int) -> TrainConfig:
             ),
             optim=dict(lr=1e-3, clip_grad=1.0, adam_eps=1e-6),
             rollout=dict(temperature=0.9),
+            # The teacher's engine is never built here: the samples carry its log-probs.
+            models={"teacher": {"hf_path": "unused"}} if case in DISTILLATION_CASES else {},
         ),
     )
+
+
+def add_teacher_term(samples: list[TrainSample], cfg: TrainConfig) -> None:
+    """Teacher log-probs ~0.3 per token away from the old ones, and the advantages of the
+    trainer's stage (rewards by group, the teacher's term per token) in place of make_samples'."""
+    generator = torch.Generator().manual_seed(11)
+    for index, sample in enumerate(samples):
+        sample.reward = float(index % 3)
+        noise = torch.randn(sample.response_length, generator=generator)
+        sample.teacher_log_probs = sample.old_log_probs + 0.3 * noise
+    assign_advantages(
+        samples,
+        advantage_settings(cfg.algo),
+        RunningMoments(),
+        make_distillation_settings(cfg.algo),
+    )
+    assert all(sample.advantages.dim() == 1 for sample in samples)
 
 
 def make_samples(seed: int = 0) -> list[TrainSample]:
@@ -221,6 +249,8 @@ def run_case(case: str, layout: str, micro_batch_tokens: int) -> dict:
     engine = TrainEngine(cfg)
     set_expert_bias(engine)
     samples = make_samples()
+    if case in DISTILLATION_CASES:
+        add_teacher_term(samples, cfg)
     start = time.perf_counter()
     weights0 = gather_full_state(engine.model)
     metrics = engine.forward_backward(samples)

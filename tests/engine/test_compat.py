@@ -29,6 +29,18 @@ def test_every_shim_has_a_necessity_probe_and_a_check(report):
     assert set(report["declared"]) == set(report["need"])
 
 
+def test_every_workaround_has_a_necessity_probe_and_a_check(report):
+    """The upstream workarounds applied on every device (``shim_registry.upstream_workaround``:
+    GLM-4.5's and DeepSeek-V3's routed-token count, MLA without Transformer Engine) are declared
+    and probed like the CPU shims (``test_shims_are_still_needed_upstream``), and each covered
+    call works with the workaround where the installed version needs it."""
+    workarounds = set(report["workarounds"])
+    assert workarounds == {"count_routed_tokens", "allow_mla_without_transformer_engine"}
+    assert workarounds <= set(report["declared"]) and workarounds <= set(report["need"])
+    failures = {name: text for name, text in report["workarounds_work"].items() if text != "ok"}
+    assert set(report["workarounds_work"]) == workarounds and not failures, failures
+
+
 def test_class_extensions_fit_the_installed_version(report):
     """Every upstream class we extend (``compat.registered_extensions``, on CPU and GPU) still has
     the members and signatures our subclass relies on, and the subclass works on it."""

@@ -11,7 +11,8 @@ expert, partial RoPE; in dp2, tp2, ep2 and pp2, the updated bias bit for bit), D
 are refused at start on CPU); 8 samples of different lengths, two micro-batches in every layout.
 The MoE case also runs with each rollout correction (token TIS, token mask, geometric-mean
 sequence truncate and mask: the weights of sequences split by cp need the all-reduced mean) in
-dp2, cp2 and pp2, and with the CISPO and GMPO surrogates.
+dp2, cp2 and pp2, with the CISPO and GMPO surrogates, and with on-policy distillation's
+teacher term added to the advantages per token (``distill``: GSPO-token, dp2 and cp2).
 
 The MoE case also runs in bf16 (``bf16``: ``model.dtype=bfloat16``, Megatron's mixed precision:
 bf16 parameters and compute, fp32 main parameters, gradients accumulated and reduced in fp32)
@@ -68,7 +69,17 @@ BF16_EXACT_METRIC_TOLERANCE = 1e-6
 CORRECTIONS = ("tis", "icepop", "geo_truncate", "geo_mask")
 """MoE cases with a rollout correction (layout_worker.VARIANTS), in dp2, cp2 and pp2."""
 SURROGATES = ("cispo", "gmpo")
-CASES = ("moe", "qwen2", "dense", "glm4", "deepseek", *CORRECTIONS, *SURROGATES, "bf16")
+CASES = (
+    "moe",
+    "qwen2",
+    "dense",
+    "glm4",
+    "deepseek",
+    *CORRECTIONS,
+    *SURROGATES,
+    "distill",
+    "bf16",
+)
 
 LAUNCHES = {
     2: [
@@ -91,6 +102,10 @@ LAUNCHES = {
         "cispo:cp2",
         "gmpo:cp2",
         "gmpo:pp2",
+        # On-policy distillation's per-token teacher term (GSPO-token): data and context
+        # parallel split the samples and their tokens.
+        "distill:dp2",
+        "distill:cp2",
         *(f"bf16:{layout}" for layout in ("dp2", "dp2.distopt", "pp2", "tp2", "ep2", "cp2")),
     ],
     4: [

@@ -5,7 +5,8 @@ router, score-correction bias, expert groups, shared expert, a dense first layer
 and q/k/v bias, on the CPU backend's plain-torch path. The exported checkpoint carries a random,
 non-zero correction bias, so a server that ignored it would select other experts. Checked against
 transformers' ``Glm4MoeForCausalLM`` loaded from the same directory: greedy tokens, log-probs and
-R3 routes. Then the trainer (a fresh glm4_moe of the same shape, so other weights and a zero bias)
+R3 routes, also after a sync of a new correction bias alone (the synced bias steers SGLang's own
+routes). Then the trainer (a fresh glm4_moe of the same shape, so other weights and a zero bias)
 syncs its weights into the server and trains two GRPO + R3 steps on SGLang's samples: a server
 that dropped a synced weight would leave the trainer-vs-SGLang log-prob gap far above float32
 rounding (under R3 the bias only chooses experts, which are replayed: the bias is the generation
@@ -31,7 +32,7 @@ from megatron_gspo.rollout.hf_model import forward_with_routes
 from megatron_gspo.rollout.sglang_client import SGLangEngine
 from megatron_gspo.rollout.sglang_protocol import RouteLayout
 from megatron_gspo.rollout.types import GenerateRequest
-from megatron_gspo.weight_sync import free_port, write_hf_checkpoint
+from megatron_gspo.weight_sync import TensorTransport, free_port, write_hf_checkpoint
 
 from .server import (
     SGLANG_VERSION,
@@ -152,6 +153,63 @@ def test_sglang_generates_as_transformers_with_the_bias_and_its_routes(
     assert worst_log_prob < 1e-5, worst_log_prob
     # fp32 near-ties between the 2nd and 3rd expert could flip a row; none did when written.
     assert differing <= total // 50, (differing, total)
+
+
+def test_a_synced_correction_bias_steers_sglang_routes(reference, glm_server):
+    """The synced bias itself reaches SGLang: only a new ``e_score_correction_bias`` of the routed
+    layer is synced (the tensor transport, under the checkpoint's name, as the trainer sends
+    it), then SGLang's own routes (nothing replayed) and greedy tokens are transformers' under the
+    NEW bias and its routes differ from those under the exported one. (Under R3 the bias only
+    chooses experts, which are replayed, so the training test does not show this.)"""
+    name = "model.layers.1.mlp.gate.e_score_correction_bias"
+    (gate_bias,) = [
+        b for n, b in reference.named_buffers() if n.endswith("e_score_correction_bias")
+    ]
+    exported = gate_bias.clone()
+    # Another random bias of the same scale: a different ranking of the biased scores.
+    new_bias = 0.3 * torch.randn(exported.shape, generator=torch.Generator().manual_seed(11))
+    engine = SGLangEngine(
+        [glm_server.url],
+        RouteLayout.from_model_config(glm_server.model),
+        weight_transport=TensorTransport(),
+        api_key=glm_server.api_key,
+        request_timeout_s=120,
+    )
+    try:
+        engine.sync_weights(iter([(name, new_bias)]), version=100)
+        results = engine.generate(
+            [
+                GenerateRequest(p, max_new_tokens=8, temperature=0.0, return_routed_experts=True)
+                for p in PROMPTS
+            ]
+        )
+        routes_before = []
+        with torch.no_grad():
+            for prompt, result in zip(PROMPTS, results):
+                tokens = list(prompt) + result.output_ids
+                routes_before.append(forward_with_routes(reference, tokens[:-1])[1])
+            gate_bias.copy_(new_bias)
+        differing = changed = total = 0
+        worst_log_prob = 0.0
+        for prompt, result, before in zip(PROMPTS, results, routes_before):
+            tokens = list(prompt) + result.output_ids
+            logits, expected = forward_with_routes(reference, tokens[:-1])
+            table = torch.log_softmax(logits, dim=-1)[len(prompt) - 1 :]
+            assert result.output_ids == table.argmax(-1).tolist()
+            picked = table[torch.arange(len(result.output_ids)), torch.tensor(result.output_ids)]
+            got = torch.from_numpy(result.output_log_probs)
+            worst_log_prob = max(worst_log_prob, float((got - picked).abs().max()))
+            routes = torch.from_numpy(result.routed_experts.astype(np.int64)).sort(-1).values
+            differing += int((routes != expected.sort(-1).values).any(-1).sum())
+            changed += int((routes != before.sort(-1).values).any(-1).sum())
+            total += routes.shape[0]
+        assert worst_log_prob < 1e-5, worst_log_prob
+        # fp32 near-ties could flip a row; the old bias's routes differ on many.
+        assert differing <= total // 50, (differing, total)
+        assert changed >= total // 5, (changed, total)
+    finally:
+        gate_bias.copy_(exported)
+        engine.close()
 
 
 def test_grpo_with_r3_trains_against_sglang(glm_server, monkeypatch, tmp_path):

@@ -2,20 +2,17 @@
 
 ``DeepseekV3TopkRouter`` returns ``(router_logits, topk_weights, topk_indices)`` like GLM-4.5's
 router, so the recorder reads the expert ids it selected; they are checked against the rule of
-docs/glm4-moe.md, "Routing" (``tests/rollout/test_glm4_moe_engine.py``'s float64 reference),
-through a model with multi-head latent attention and YaRN. The engine's log-probs against a
+docs/glm4-moe.md, "Routing" (``tests/rollout/conftest.py``'s float64 reference, shared with
+GLM-4.5), through a model with multi-head latent attention and YaRN. The engine's log-probs against a
 float64 forward are in ``test_embedded.py`` (``deepseek_v3`` is one of its architectures).
 """
 
 from __future__ import annotations
 
 import numpy as np
-import torch
 
 from megatron_gspo.rollout.embedded import EmbeddedEngine
-from megatron_gspo.rollout.types import GenerateRequest
-from tests.rollout.conftest import tiny_model_config
-from tests.rollout.test_glm4_moe_engine import reference_routes
+from tests.rollout.conftest import assert_engine_routes_follow_the_biased_rule, tiny_model_config
 
 
 def test_engine_is_deepseek_v3_with_latent_attention_and_yarn():
@@ -33,41 +30,4 @@ def test_engine_is_deepseek_v3_with_latent_attention_and_yarn():
 
 
 def test_routes_follow_the_biased_group_limited_rule():
-    config = tiny_model_config("deepseek_v3")
-    engine = EmbeddedEngine(config, seed=5)
-    generator = torch.Generator().manual_seed(3)
-    gate = engine.hf_model.model.layers[1].mlp.gate
-    bias = 0.6 * torch.randn(config.num_experts, generator=generator)
-    gate.e_score_correction_bias.copy_(bias)
-    requests = [
-        GenerateRequest(
-            input_ids=[(5 * i + j) % 90 + 1 for j in range(i + 3)],
-            max_new_tokens=6,
-            temperature=1.0,
-            seed=40 + i,
-            return_routed_experts=True,
-        )
-        for i in range(3)
-    ]
-    unbiased_differs = False
-    for request, result in zip(requests, engine.generate(requests)):
-        tokens = list(request.input_ids) + result.output_ids
-        assert result.routed_experts.shape == (len(tokens) - 1, 1, config.moe_router_topk)
-        with torch.no_grad():
-            output = engine.hf_model(
-                input_ids=torch.tensor([tokens[:-1]]), output_router_logits=True
-            )
-        (router_logits,) = output.router_logits
-        expected = reference_routes(
-            router_logits,
-            bias,
-            config.moe_router_topk,
-            config.moe_router_num_groups,
-            config.moe_router_group_topk,
-        )
-        routed = torch.from_numpy(result.routed_experts[:, 0, :].astype(np.int64))
-        assert torch.equal(routed.sort(-1).values, expected)
-        unbiased = reference_routes(router_logits, torch.zeros_like(bias), 2, 2, 1)
-        unbiased_differs |= not torch.equal(unbiased, expected)
-    assert unbiased_differs
-    engine.close()
+    assert_engine_routes_follow_the_biased_rule("deepseek_v3")

@@ -97,13 +97,17 @@ def test_the_rehearsal_keeps_the_presets_flags(preset):
             "model.dtype",
             "model.architecture",
             "parallel.use_distributed_optimizer",
-            "rollout.engine",
             "rollout.weight_transport",
             "algo.routing_replay",
             "data.apply_chat_template",
         ):
             assert key in plan.kept, key
         assert plan.kept["model.dtype"] == "bfloat16"
+        if preset == "deepseek_v3_shaped_gspo_4node":
+            # SGLang's CPU backend cannot serve MLA: the embedded engine samples instead.
+            assert rehearsed["rollout.engine"] == "embedded"
+            return
+        assert plan.kept["rollout.engine"] == "sglang"
         assert rehearsed["rollout.sglang.launch"] is True
         assert rehearsed["rollout.sglang.python"] == FAKE_SGLANG
         assert rehearsed["rollout.sglang.extra_args"][:2] == ["--dtype", "bfloat16"]
@@ -138,11 +142,39 @@ def test_an_sglang_preset_without_sglang_says_why():
     assert plan.blocked and rehearsal.SGLANG_VENV_ENV in plan.blocked
 
 
-def test_record_needs_all():
-    result = subprocess.run(
-        [sys.executable, str(TOOL), "roll_gspo", "--record"], capture_output=True, text=True
+def test_record_of_named_presets_replaces_their_rows_only(tmp_path):
+    """``--record`` with named presets (a preset added since the last ``--all --record``):
+    their rows and printouts replace or join the recorded ones, in the presets' order, the other
+    presets' stay as they were, and the header says when the named ones ran."""
+    doc = tmp_path / "rehearsal.md"
+    doc.write_text((REPO_ROOT / "docs" / "rehearsal.md").read_text())
+    before = doc.read_text()
+    plan = plan_of("glm45_air_gspo_4node")
+    result = rehearsal.Result(
+        "glm45_air_gspo_4node", plan, stage_times={"prepare": 1.0, "train": 2.0}, steps=4
     )
-    assert result.returncode == 2 and "--all" in result.stderr
+    printout = "\n=== glm45_air_gspo_4node\n  scaled (key: preset -> rehearsal, why):\n    x\n"
+    command = "python tools/rehearse_presets.py glm45_air_gspo_4node --record"
+    rehearsal.record_rows([result], 2, command, printout, doc=doc)
+    after = doc.read_text()
+    block = after[after.index(rehearsal.RECORD_START) : after.index(rehearsal.RECORD_END)]
+    rows = [line for line in block.splitlines() if line.startswith("| `")]
+    names = [row.split("`")[1] for row in rows]
+    assert names == [name for name in rehearsal.ALL_PRESETS if name in names]
+    (glm,) = [row for row in rows if row.startswith("| `glm45_air_gspo_4node` |")]
+    assert glm.rstrip().endswith("| passed |") and "| 4 | 3 |" in glm
+    for row in before.splitlines():  # every other preset's row is kept as it was
+        if row.startswith("| `") and not row.startswith("| `glm45_air_gspo_4node` |"):
+            assert row in rows
+    assert "=== glm45_air_gspo_4node\n  scaled" in block and "=== cpu_demo" in block
+    assert "Rows of `glm45_air_gspo_4node`: " in block and f"`{command}`" in block
+    assert (
+        after[: after.index(rehearsal.RECORD_START)]
+        == before[: before.index(rehearsal.RECORD_START)]
+    )
+    assert (
+        after[after.index(rehearsal.RECORD_END) :] == before[before.index(rehearsal.RECORD_END) :]
+    )
 
 
 def test_the_docs_table_lists_every_preset():
@@ -164,6 +196,7 @@ def run_tool(arguments: list[str], timeout: float) -> subprocess.CompletedProces
     )
 
 
+@pytest.mark.slow  # 40 s; the plan tests above check every preset's flags in CI
 def test_roll_gspo_rehearsed_end_to_end(tmp_path):
     """ROLL's GSPO preset (the cheapest GPU preset: the embedded engine, one process) for real:
     one step, resumed to two, exported to HF and loaded by transformers."""

@@ -1,0 +1,1 @@
+"""Example agent programs (docs/agentic.md): each uses only the ``openai`` client."""
