@@ -123,8 +123,26 @@ def render() -> str:
     root = config_module.TrainConfig
     parts = [HEADER, "## Top level", "", class_doc(root), "", *section(root, ""), ""]
     parts += subsections(root, "", level=2)
+    parts += keyed_sections()
     parts += renamed_keys()
     return "\n".join(parts).rstrip() + "\n"
+
+
+KEYED_SECTIONS = {"models": ("role", "ExtraModelConfig")}
+"""Top-level mappings whose values are sections, keyed by a name the user picks: the key, the
+placeholder shown for the name, the section's class."""
+
+
+def keyed_sections() -> list[str]:
+    """A section per mapping of :data:`KEYED_SECTIONS` (``models.<role>.hf_path``, ...)."""
+    parts: list[str] = []
+    for key, (name, class_name) in KEYED_SECTIONS.items():
+        sub = getattr(config_module, class_name)
+        prefix = f"{key}.<{name}>."
+        parts += [f"## `{key}.<{name}>`", "", class_doc(sub), ""]
+        parts += [*section(sub, prefix), ""]
+        parts += subsections(sub, prefix, level=3)
+    return parts
 
 
 def renamed_keys() -> list[str]:

@@ -153,21 +153,11 @@ class ProducerProcess:
         self.connection.close()
 
 
-class FollowingClient(SGLangEngine):
-    """A generation-only client whose weight version is the trainer's (a shared value): its
-    requests' prefix-cache salt follows the servers' weights."""
-
-    def __init__(self, weight_version: Any, **options: Any):
-        self._shared_version = weight_version
-        super().__init__(**options)
-
-    @property
-    def _weight_version(self) -> int:
-        return int(self._shared_version.value)
-
-    @_weight_version.setter
-    def _weight_version(self, value: int) -> None:
-        pass  # the trainer's client owns the version
+def following_client(weight_version: Any, **options: Any) -> SGLangEngine:
+    """A generation-only client whose weight version is the trainer's (``weight_version``, a
+    shared value the trainer sets after each sync): its requests' prefix-cache salt follows the
+    servers' weights."""
+    return SGLangEngine(**options, weight_version_source=lambda: int(weight_version.value))
 
 
 class _Array:
@@ -228,7 +218,7 @@ def _serve(
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s producer: %(message)s")
     rewards = None
     try:
-        engine = FollowingClient(version, **client_options)
+        engine = following_client(version, **client_options)
         rewards = RewardRunner(cfg.reward) if cfg.reward.functions else None
         producer = build_producer(cfg, engine, rewards, Sampling.training(cfg))
     except BaseException as error:  # noqa: BLE001 - reported to the trainer

@@ -28,7 +28,7 @@ import re
 import threading
 import time
 from collections import Counter
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
 from dataclasses import dataclass
@@ -111,6 +111,7 @@ class SGLangEngine(RolloutEngine):
         on_close: Sequence[Any] = (),
         api_key: Optional[str] = None,
         restarters: Optional[dict[str, Any]] = None,
+        weight_version_source: Optional[Callable[[], int]] = None,
     ):
         if not urls:
             raise ValueError("SGLangEngine needs at least one server URL")
@@ -129,6 +130,9 @@ class SGLangEngine(RolloutEngine):
         self.flush_retry_interval_s = flush_retry_interval_s
         self.resume_empties_torch_cache = resume_empties_torch_cache
         self._weight_version = initial_weight_version
+        self._weight_version_source = weight_version_source
+        """Where a client that never syncs (a producer process's) reads the servers' weight
+        version, which another process's client sets; None: this client's own syncs set it."""
         self._lock = threading.Lock()
         self._request_server: dict[str, str] = {}
         self._session_servers: dict[str, _Server] = {}
@@ -177,7 +181,7 @@ class SGLangEngine(RolloutEngine):
     @property
     def cache_salt(self) -> str:
         """The prefix-cache namespace of requests sent now: the weight version."""
-        return f"weights-v{self._weight_version}"
+        return f"weights-v{self.weight_version}"
 
     @property
     def urls(self) -> list[str]:
@@ -185,6 +189,8 @@ class SGLangEngine(RolloutEngine):
 
     @property
     def weight_version(self) -> int:
+        if self._weight_version_source is not None:
+            return int(self._weight_version_source())
         return self._weight_version
 
     # ------------------------------------------------------------------ HTTP
@@ -619,7 +625,7 @@ class SGLangEngine(RolloutEngine):
             )
         return {
             "engine": "sglang_client",
-            "weight_version": self._weight_version,
+            "weight_version": self.weight_version,
             "servers": servers,
         }
 

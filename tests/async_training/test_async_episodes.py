@@ -16,7 +16,7 @@ import torch
 from megatron_gspo.config import TrainConfig, from_dict
 from megatron_gspo.driver.build import build_rollout_driver
 from megatron_gspo.driver.ledger import read_trained_prompts
-from megatron_gspo.production.processes import FollowingClient
+from megatron_gspo.production.processes import following_client
 from megatron_gspo.rollout.embedded import EmbeddedEngine
 from tests.async_training.gated_environment import GATE, WAITING
 
@@ -221,9 +221,8 @@ def test_producer_process_requests_carry_the_servers_weight_version():
     """A producer process's client takes its weight version (and with it the prefix-cache salt
     of its requests) from the value the trainer sets after each sync, never from itself."""
     version = multiprocessing.get_context("spawn").Value("q", 3, lock=False)
-    client = FollowingClient(version, urls=["http://127.0.0.1:9"])
+    client = following_client(version, urls=["http://127.0.0.1:9"])
     assert client.weight_version == 3 and client.cache_salt == "weights-v3"
     version.value = 4
-    client._weight_version = 0  # what a client's own sync bookkeeping would write: ignored
     assert client.weight_version == 4 and client.cache_salt == "weights-v4"
     client.close()
