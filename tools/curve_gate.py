@@ -1,10 +1,15 @@
 #!/usr/bin/env python
-"""The CPU demo's learning curve as a regression gate: a change that moves the curve out of the
-band that seed variation spans fails, naming the step and the metric.
+"""Learning curves as regression gates: a change that moves a curve out of the band that seed
+variation spans fails, naming the step and the metric. Two gates (``--gate``): the CPU demo
+(``demo``, the default) and the compare tool's quick suite (``compare_quick``:
+``tools/compare_grpo_gspo.py --quick``, each variant's curves).
 
     python tools/curve_gate.py --check                 # run the demo, compare with the reference
     python tools/curve_gate.py --check --metrics FILE  # compare a finished demo's metrics.jsonl
     python tools/curve_gate.py --update --seeds 8      # rerun the reference (a deliberate act)
+    python tools/curve_gate.py --gate compare_quick --check              # the quick suite
+    python tools/curve_gate.py --gate compare_quick --check --metrics DIR  # a finished --out
+    python tools/curve_gate.py --gate compare_quick --update --seeds 8
 
 The reference (:data:`REFERENCE`) holds, for each gated metric and RL step, the mean and the
 standard deviation across ``--seeds`` runs of the demo (seeds 1234, 1235, ...: the initial
@@ -19,11 +24,19 @@ sampling amplifies rounding over tens of steps) it is another draw of the same s
 prediction interval is made to hold: one step out of it happens for 1 in 1000 draws, several in a
 row far less often, while a change that breaks learning leaves the band for tens of steps.
 ``tests/docs/test_curve_gate.py`` runs ``--check`` in CI.
+
+The quick suite's gate is the same band over each variant's curves (``gspo/reward_mean``,
+``grpo/clip_frac_token``, ...): its six RL steps of 16 samples after a 10-step cold start make
+a wide band, which still fails a change that stops a variant learning or moves its clipping
+(GSPO clips about two orders of magnitude more tokens than GRPO there) for three steps in a row.
+It runs with ``--one-process --no-plots`` (the variants' curves are the same as one process
+each: ``tests/tools/test_compare_families.py``).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import math
@@ -31,14 +44,27 @@ import os
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 from compare_statistics import t_quantile, trailing_means
 from readme_demo import REPO_ROOT, cpu_name, read_records, run_demo
 
-REFERENCE = REPO_ROOT / "tools" / "curve_references" / "cpu_demo.json"
+REFERENCES = REPO_ROOT / "tools" / "curve_references"
+REFERENCE = REFERENCES / "cpu_demo.json"
 GATED = ("reward_mean", "entropy")
-"""The metrics whose curves are gated: what the policy earns, and how sure it has become."""
+"""The demo's gated metrics: what the policy earns, and how sure it has become."""
+COMPARE_VARIANTS = ("gspo", "gspo_token", "grpo", "grpo_r2", "grpo_r3")
+"""The quick suite's variants (``tools/compare_grpo_gspo.py``, suite ``standard``)."""
+COMPARE_METRICS = ("reward_mean", "clip_frac_token")
+"""Each variant's gated metrics: what it earns, and how much of it the clip removes."""
+CLIP_RATIO = "gspo_over_grpo/log10_clip_frac_token"
+"""The suite's point as one number per step: log10 of GSPO's clipped-token share over GRPO's
+(about 1.5: GSPO's sequence clip removes some thirty times GRPO's tokens), each floored at
+:data:`CLIP_FLOOR`; paired on one seed, so it spreads less across seeds than either share."""
+CLIP_FLOOR = 1e-3
+"""Below a fifth of one token of a quick step's ~190: a share of 0 counts as this."""
+COMPARE_TOOL = REPO_ROOT / "tools" / "compare_grpo_gspo.py"
 WINDOW = 5
 """Steps in the trailing mean (one step's reward over 8 samples is noisy)."""
 COVERAGE = 0.999
@@ -52,8 +78,11 @@ DEFAULT_SEED = 1234
 
 
 def curve(records: list[dict], metric: str) -> list[float]:
-    """The trailing means of ``metric`` over a run's records, in step order."""
-    ordered = sorted(records, key=lambda record: record["step"])
+    """The trailing means of ``metric`` over a run's records, in step order (none when no record
+    has it: a variant that did not run)."""
+    ordered = sorted(
+        (record for record in records if metric in record), key=lambda record: record["step"]
+    )
     steps = [record["step"] for record in ordered]
     if steps != list(range(len(steps))):
         raise ValueError(f"the run's steps are not 0, 1, 2, ...: {steps}")
@@ -66,10 +95,12 @@ def half_width(std: float, runs: int) -> float:
     return t * std * math.sqrt(1 + 1 / runs) + FLOOR
 
 
-def reference_from_runs(runs: list[list[dict]], seeds: list[int]) -> dict:
-    """The reference of runs at ``seeds`` (each a list of metric records)."""
+def reference_from_runs(runs: list[list[dict]], seeds: list[int], gate: Gate | None = None) -> dict:
+    """The reference of runs at ``seeds`` (each a list of metric records) for ``gate`` (the
+    demo's when None)."""
+    gate = gate or GATES["demo"]
     metrics = {}
-    for metric in GATED:
+    for metric in gate.gated:
         curves = [curve(records, metric) for records in runs]
         steps = min(len(c) for c in curves)
         means, stds, lows, highs = [], [], [], []
@@ -84,7 +115,7 @@ def reference_from_runs(runs: list[list[dict]], seeds: list[int]) -> dict:
             highs.append(round(mean + half, 6))
         metrics[metric] = {"mean": means, "std": stds, "low": lows, "high": highs}
     return {
-        "command": "python -m megatron_gspo.train seed=<seed>",
+        "command": gate.command,
         "seeds": seeds,
         "window": WINDOW,
         "band": f"mean +- (t({(1 + COVERAGE) / 2}, n - 1) * std * sqrt(1 + 1/n) + {FLOOR})",
@@ -94,6 +125,13 @@ def reference_from_runs(runs: list[list[dict]], seeds: list[int]) -> dict:
         "date": datetime.date.today().isoformat(),
         "commit": _commit(),
         "metrics": metrics,
+        # Each seed's curves, so that a new gated metric's band needs no rerun.
+        "runs": {
+            str(seed): {
+                metric: [round(v, 6) for v in curve(records, metric)] for metric in gate.gated
+            }
+            for seed, records in zip(seeds, runs)
+        },
     }
 
 
@@ -142,10 +180,68 @@ def _commit() -> str:
     return result.stdout.strip() or "unknown"
 
 
-def _run_seed(seed: int, folder: Path) -> list[dict]:
+def _run_demo_seed(seed: int, folder: Path) -> list[dict]:
     extra = [] if seed == DEFAULT_SEED else [f"seed={seed}"]
     records, _ = run_demo(None, folder / f"seed_{seed}", extra)
     return records
+
+
+def _run_compare_seed(seed: int, folder: Path) -> list[dict]:
+    out = folder / f"seed_{seed}"
+    subprocess.run(
+        [sys.executable, str(COMPARE_TOOL), "--quick", "--one-process", "--no-plots"]
+        + ["--seed", str(seed), "--out", str(out)],
+        cwd=REPO_ROOT,
+        check=True,
+        env={**os.environ, "PYTHONPATH": str(REPO_ROOT)},
+    )
+    return read_compare_records(out)
+
+
+def read_compare_records(out: Path) -> list[dict]:
+    """One record per RL step of a quick suite's ``--out``: each variant's gated metrics as
+    ``variant/metric`` (a variant without a finished run is missing, which the gate names)."""
+    by_step: dict[int, dict] = {}
+    for variant in COMPARE_VARIANTS:
+        path = out / variant / "metrics.jsonl"
+        if not path.exists():
+            continue
+        for record in read_records(path):
+            row = by_step.setdefault(record["step"], {"step": record["step"]})
+            for metric in COMPARE_METRICS:
+                if metric in record:
+                    row[f"{variant}/{metric}"] = record[metric]
+    for row in by_step.values():
+        gspo, grpo = row.get("gspo/clip_frac_token"), row.get("grpo/clip_frac_token")
+        if gspo is not None and grpo is not None:
+            row[CLIP_RATIO] = math.log10(max(gspo, CLIP_FLOOR) / max(grpo, CLIP_FLOOR))
+    return [by_step[step] for step in sorted(by_step)]
+
+
+@dataclasses.dataclass(frozen=True)
+class Gate:
+    """A gated curve: its reference file, metrics, how one seed runs, and how a finished run's
+    ``--metrics`` is read."""
+
+    reference: Path
+    gated: tuple[str, ...]
+    command: str
+    run_seed: Callable[[int, Path], list[dict]]
+    read: Callable[[Path], list[dict]]
+
+
+GATES = {
+    "demo": Gate(
+        REFERENCE, GATED, "python -m megatron_gspo.train seed=<seed>", _run_demo_seed, read_records
+    ),
+    "compare_quick": Gate(
+        REFERENCES / "compare_quick.json",
+        (*(f"{v}/{m}" for v in COMPARE_VARIANTS for m in COMPARE_METRICS), CLIP_RATIO),
+        "python tools/compare_grpo_gspo.py --quick --one-process --no-plots --seed <seed>",
+        _run_compare_seed,
+        read_compare_records,
+    ),
+}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -153,36 +249,49 @@ def main(argv: list[str] | None = None) -> int:
     action = parser.add_mutually_exclusive_group(required=True)
     action.add_argument("--check", action="store_true", help="compare a run with the reference")
     action.add_argument("--update", action="store_true", help="rerun and rewrite the reference")
-    parser.add_argument("--metrics", type=Path, help="--check: a finished demo's metrics.jsonl")
+    parser.add_argument(
+        "--gate",
+        choices=list(GATES),
+        default="demo",
+        help="the CPU demo's curves (default) or each variant's of the compare tool's --quick",
+    )
+    parser.add_argument(
+        "--metrics",
+        type=Path,
+        help="--check: a finished run's metrics.jsonl (demo) or --out folder (compare_quick)",
+    )
     parser.add_argument("--seeds", type=int, default=8, help="--update: runs (default 8)")
     args = parser.parse_args(argv)
+    gate = GATES[args.gate]
     if args.update:
         if args.seeds < 3:
             parser.error("--seeds must be at least 3: the band is a spread across seeds")
         seeds = [DEFAULT_SEED + index for index in range(args.seeds)]
         with tempfile.TemporaryDirectory() as folder:
-            runs = [_run_seed(seed, Path(folder)) for seed in seeds]
-        REFERENCE.parent.mkdir(parents=True, exist_ok=True)
-        REFERENCE.write_text(json.dumps(reference_from_runs(runs, seeds), indent=1) + "\n")
-        print(f"wrote {REFERENCE} from seeds {seeds}")
+            runs = [gate.run_seed(seed, Path(folder)) for seed in seeds]
+        gate.reference.parent.mkdir(parents=True, exist_ok=True)
+        reference = reference_from_runs(runs, seeds, gate)
+        gate.reference.write_text(json.dumps(reference, indent=1) + "\n")
+        print(f"wrote {gate.reference} from seeds {seeds}")
         return 0
-    reference = json.loads(REFERENCE.read_text())
+    reference = json.loads(gate.reference.read_text())
     if args.metrics is not None:
-        records = read_records(args.metrics)
+        records = gate.read(args.metrics)
     else:
         with tempfile.TemporaryDirectory() as folder:
-            records = _run_seed(DEFAULT_SEED, Path(folder))
+            records = gate.run_seed(DEFAULT_SEED, Path(folder))
     problems = band_violations(reference, records)
     for problem in problems:
         print(problem, file=sys.stderr)
     if problems:
         print(
-            "the CPU demo's curve left the band of the reference: find what moved it; if the "
-            "change is meant, rerun the reference with python tools/curve_gate.py --update",
+            f"the {args.gate} curves left the band of the reference: find what moved them; if "
+            "the change is meant, rerun the reference with python tools/curve_gate.py "
+            f"--gate {args.gate} --update",
             file=sys.stderr,
         )
         return 1
-    print(f"the demo's curves are within the band of {len(reference['seeds'])} seeds")
+    print(f"the {args.gate} curves are within the band of {len(reference['seeds'])} seeds")
     return 0
 
 

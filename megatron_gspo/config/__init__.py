@@ -40,6 +40,7 @@ from megatron_gspo.config.models import (
 )
 from megatron_gspo.config.rollout import (
     EMBEDDED_MAX_BATCH_SIZE,
+    EMBEDDED_ROUTE_SOURCES,
     ROLLOUT_DTYPES,
     ROLLOUT_ENGINES,
     RolloutConfig,
@@ -81,6 +82,7 @@ __all__ = [
     "ConfigWarning",
     "DataConfig",
     "EMBEDDED_MAX_BATCH_SIZE",
+    "EMBEDDED_ROUTE_SOURCES",
     "EnvConfig",
     "AgentConfig",
     "TOOL_CALL_FORMATS",

@@ -22,6 +22,8 @@ ROLLOUT_ENGINES = ("embedded", "embedded_http", "sglang")
 """What ``rollout.engine`` may name; each is built by its builder in
 :data:`megatron_gspo.rollout.factory.ENGINE_BUILDERS`."""
 EMBEDDED_MAX_BATCH_SIZE = 64
+EMBEDDED_ROUTE_SOURCES = ("own", "float32_twin")
+"""What ``rollout.embedded_route_source`` may name."""
 """``rollout.embedded_max_batch_size``'s default: the embedded engine's batch size."""
 
 
@@ -51,6 +53,20 @@ class RolloutConfig:
     padding); ``tools/compare_grpo_gspo.py --suite attribution`` measures what it changes
     (docs/compare_grpo_gspo.md, "Mismatch attribution"). SGLang batches as its scheduler
     decides, so this stays at its default with engine=sglang."""
+    embedded_route_source: str = "own"
+    """Whose experts the MoE routers of the embedded engines (``embedded``, ``embedded_http``)
+    use: own (the default: the engine's routers choose, in rollout.dtype) or float32_twin. With
+    float32_twin the engine keeps a float32 copy of the model (built from the same weights,
+    loaded by every weight sync) that runs first at every forward (the prefill and each decode
+    step, with a KV cache of its own); its routers' top-k experts are forced in the engine's
+    routers, whose weights the engine's router recomputes over them (as Megatron's routing
+    replay does), and the routes the engine reports are these. A float32 forward agrees with
+    the fp32 trainer to float rounding, so these are the trainer's routes: a bfloat16 / float16
+    engine then keeps its precision's mismatch without the routing flips (the reverse of
+    algo.routing_replay=r3; tools/compare_grpo_gspo.py --suite attribution, source
+    bf16_trainer_routes, docs/compare_grpo_gspo.md, "Mismatch attribution"). Costs a float32
+    copy of the model and its forward at every step. With rollout.dtype=float32 both choose
+    alike and generation is unchanged, bit for bit. MoE models only; not with engine=sglang."""
     temperature: float = 1.0
     """Sampling temperature; training log-probs are computed at the same temperature."""
     top_p: float = 1.0
@@ -131,6 +147,20 @@ class RolloutConfig:
     generating: no rollout engine, reward function or environment runs, and the weight syncs go
     nowhere. The same samples fed to another loss, layout or precision; with the recording's
     settings, its metrics again, bit for bit (docs/rollout-replay.md)."""
+    retokenize_responses: bool = False
+    """A mismatch-attribution knob that reproduces what naive agent harnesses do: every generated
+    response is decoded to text and encoded again with the run's tokenizer, and the run trains
+    on the re-encoded ids (which can differ: the engine may sample a token path the encoder
+    would not write, and bytes that are not valid UTF-8 come back as U+FFFD). The engine's
+    log-probs are carried to the new tokens on byte offsets: an unchanged piece keeps them, a
+    changed one gets its original total spread over its new tokens (the sequence's log-prob is
+    kept exactly; megatron_gspo/data/retokenization.py). Logs ``retokenized_frac_seq`` and
+    ``retokenized_frac_token``; a re-encoded response can be longer than
+    algo.response_length. Needs a byte-level BPE tokenizer and a prompt file (the synthetic
+    tokenizer's decode-then-encode is the identity), one completion per sample (no env.name or
+    agent.function), no R3 (the engine never routed the new tokens; routes are not requested);
+    ``tools/compare_grpo_gspo.py --suite attribution --sources retokenize``
+    (docs/compare_grpo_gspo.md, "Mismatch attribution")."""
 
     def __post_init__(self) -> None:
         check_choice(
@@ -156,6 +186,21 @@ class RolloutConfig:
                 "it sizes the embedded engine's batches; SGLang's scheduler forms its own",
                 f"leave rollout.embedded_max_batch_size at {EMBEDDED_MAX_BATCH_SIZE}, or use an "
                 "embedded engine",
+            )
+        check_choice(
+            "rollout.embedded_route_source",
+            self.embedded_route_source,
+            EMBEDDED_ROUTE_SOURCES,
+            "the embedded engine's routers choose, or a float32 twin chooses for them",
+        )
+        if self.engine == "sglang" and self.embedded_route_source != "own":
+            raise ConfigError(
+                "rollout.embedded_route_source",
+                f"embedded_route_source={self.embedded_route_source} with engine=sglang",
+                "the float32 twin that chooses the experts is part of the embedded engine; "
+                "SGLang's routers choose for themselves",
+                "use rollout.engine=embedded or embedded_http, or "
+                "rollout.embedded_route_source=own",
             )
         check_positive("rollout.temperature", self.temperature)
         if not 0 < self.top_p <= 1:

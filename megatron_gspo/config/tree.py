@@ -413,11 +413,67 @@ class TrainConfig:
         which R3 and ``rollout.sglang.return_routes`` ask for)."""
         if not self.model.is_moe:
             return False
+        if self.rollout.retokenize_responses:
+            return False  # the re-encoded tokens have no routes (R3 is refused)
         if self.algo.routing_replay == "r3":
             return True
         return self.algo.log_routing_change and (
             self.rollout.engine != "sglang" or self.rollout.sglang.return_routes
         )
+
+    def _check_retokenization(self) -> None:
+        """``rollout.retokenize_responses`` against the rest, every problem at once (the
+        tokenizer's kind is a start-up check: it needs the tokenizer loaded)."""
+        if not self.rollout.retokenize_responses:
+            return
+        key = "rollout.retokenize_responses"
+        errors = []
+        if self.algo.routing_replay == "r3":
+            errors.append(
+                ConfigError(
+                    key,
+                    "retokenize_responses=true with algo.routing_replay=r3",
+                    "R3 replays the engine's routes of each token, and the engine never routed "
+                    "the re-encoded tokens",
+                    "set algo.routing_replay=none (or r2), or retokenize_responses=false",
+                )
+            )
+        if self.data.train_path is None:
+            errors.append(
+                ConfigError(
+                    key,
+                    f"retokenize_responses=true with the synthetic task {self.data.task!r}",
+                    "its tokenizer has one token per symbol, so decoding and encoding again "
+                    "gives the same ids: nothing would change",
+                    "set data.train_path to a prompt file and data.tokenizer_path to a "
+                    "byte-level BPE tokenizer (e.g. python -m megatron_gspo.data.arithmetic_text "
+                    "and Qwen's), or retokenize_responses=false",
+                )
+            )
+        if self.env.name is not None or self.agent.function is not None:
+            errors.append(
+                ConfigError(
+                    key,
+                    "retokenize_responses=true with "
+                    + ("env.name" if self.env.name is not None else "agent.function"),
+                    "an episode's response interleaves the model's turns with observations "
+                    "that the model did not sample; retokenization applies to one completion "
+                    "per sample",
+                    "set env.name=null and agent.function=null, or retokenize_responses=false",
+                )
+            )
+        if self.rollout.replay_dir is not None:
+            errors.append(
+                ConfigError(
+                    key,
+                    "retokenize_responses=true with rollout.replay_dir",
+                    "a replayed run generates nothing; the recorded ids are trained as saved",
+                    "record the run with retokenize_responses=true and replay it without, or "
+                    "set rollout.replay_dir=null",
+                )
+            )
+        if errors:
+            raise errors[0] if len(errors) == 1 else StartupErrors(errors)
 
     def _check_agent(self) -> None:
         """``agent.*`` against the rest: one source of episodes, and per-turn samples only where
@@ -512,6 +568,7 @@ class TrainConfig:
                 "(reward.judge.role)",
             )
         self._check_agent()
+        self._check_retokenization()
         if algo.advantage_level == "turn" and not episodes:
             raise ConfigError(
                 "algo.advantage_level",
@@ -532,6 +589,14 @@ class TrainConfig:
                 f"routing replay {algo.routing_replay!r} on the dense {model.architecture!r}",
                 "routing replay fixes the expert choice of MoE layers",
                 "set algo.routing_replay=none",
+            )
+        if self.rollout.embedded_route_source != "own" and not model.is_moe:
+            raise ConfigError(
+                "rollout.embedded_route_source",
+                f"embedded_route_source={self.rollout.embedded_route_source} on the dense "
+                f"{model.architecture!r}",
+                "it forces the experts of the engine's MoE routers; a dense model has none",
+                "set rollout.embedded_route_source=own",
             )
         if self.data.train_path is not None and "synthetic" in self.reward.functions:
             warn_config(

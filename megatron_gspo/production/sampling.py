@@ -63,6 +63,9 @@ class Sampling:
     finish: Optional[FinishSettings] = None
     """The finishing rules of the scored samples (training); None: the rewards are left as they
     are (evaluation, which reports the rewards themselves)."""
+    retokenize: bool = False
+    """``rollout.retokenize_responses``: decode every response and encode it again before
+    scoring (:mod:`megatron_gspo.production.retokenization`); training only."""
 
     @classmethod
     def training(cls, cfg: TrainConfig) -> Sampling:
@@ -76,12 +79,14 @@ class Sampling:
             return_routes=cfg.requests_rollout_routes,
             seed=cfg.rollout.seed if cfg.rollout.seed is not None else cfg.seed,
             finish=FinishSettings.from_config(cfg),
+            retokenize=cfg.rollout.retokenize_responses,
         )
 
     @classmethod
     def evaluation(cls, cfg: TrainConfig, *, temperature: float, group_size: int) -> Sampling:
         """The training settings at ``temperature`` (0: greedy) and ``group_size``, without
-        routes or finishing. Arguments, not a modified config, because the config rejects
+        routes, finishing or retokenization (evaluation measures the task on what the model
+        wrote). Arguments, not a modified config, because the config rejects
         ``rollout.temperature=0``."""
         return dataclasses.replace(
             cls.training(cfg),
@@ -89,6 +94,7 @@ class Sampling:
             group_size=group_size,
             return_routes=False,
             finish=None,
+            retokenize=False,
         )
 
     def prompt_seed(self, step: int, index: int) -> int:

@@ -14,6 +14,7 @@ from megatron_gspo.production.producer import (
     aborted_group_id,
     finish_samples,
 )
+from megatron_gspo.production.retokenization import Retokenizer
 from megatron_gspo.production.sampling import Sampling
 from megatron_gspo.production.task import Task
 from megatron_gspo.reward import RewardInput, RewardRunner
@@ -25,13 +26,16 @@ if TYPE_CHECKING:
 
 
 class SingleTurnProducer(SampleProducer):
-    """One completion per sample: :func:`generate`, then :func:`score` (today's rollout)."""
+    """One completion per sample: :func:`generate`, then :func:`score` (today's rollout); with
+    ``sampling.retokenize``, the responses are decoded and encoded again in between
+    (:class:`~megatron_gspo.production.retokenization.Retokenizer`)."""
 
     def __init__(
         self, rollout: RolloutEngine, task: Task, rewards: RewardRunner, sampling: Sampling
     ):
         self.rollout, self.task, self.rewards, self.sampling = rollout, task, rewards, sampling
         self.group_size = sampling.group_size
+        self.retokenizer = Retokenizer(task.tokenizer) if sampling.retokenize else None
 
     def produce(
         self, prompts: Sequence[Prompt], step: int, *, first_index: int = 0
@@ -41,12 +45,15 @@ class SingleTurnProducer(SampleProducer):
             self.rollout, self.task, list(prompts), self.sampling, step, first_index=first_index
         )
         generated = time.perf_counter()
+        # What the rewards and the trainer see: the ids a naive harness would train on.
+        retokenized = self.retokenizer(samples) if self.retokenizer is not None else {}
         reward_stats = score(samples, sample_prompts, self.rewards, self.task)
         if self.sampling.finish is not None:
             reward_stats.update(finish_samples(samples, self.sampling.finish))
         return ScoredSamples(
             samples,
             {
+                **retokenized,
                 **reward_stats,
                 "time/rollout_s": generated - started,
                 "time/reward_s": time.perf_counter() - generated,

@@ -11,7 +11,11 @@ SGLang changes speed, not numbers:
   router included, computes in that dtype and the output layer returns logits in it; they are
   upcast to float32 before the temperature, the log-softmax and sampling, as SGLang's
   ``LogitsProcessor`` (``logits.float()``) and ``Sampler`` (softmax / log in float32) do. So
-  routes and log-probs differ from the fp32 trainer's as SGLang's do.
+  routes and log-probs differ from the fp32 trainer's as SGLang's do;
+* with ``route_source="float32_twin"`` (``rollout.embedded_route_source``) a float32 copy of the
+  model (``route_twin.py``) runs first at every forward and its experts are forced in the
+  engine's routers (``route_forcing.py``): the trainer's routes in a bf16 / fp16 engine, whose
+  gap is then its precision's without routing flips; the routes it reports are the forced ones.
 
 One difference: it stops on ``stop_token_ids`` only, whereas SGLang also stops on the model's
 EOS token unless ``ignore_eos``; put the EOS id in ``stop_token_ids`` (the trainer does) to get
@@ -30,6 +34,7 @@ each forward and each weight commit hold the model lock, so a sync lands between
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import random
 import threading
@@ -41,8 +46,15 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
-from megatron_gspo.config import EMBEDDED_MAX_BATCH_SIZE, ModelConfig, RolloutConfig
+from megatron_gspo.config import (
+    EMBEDDED_MAX_BATCH_SIZE,
+    EMBEDDED_ROUTE_SOURCES,
+    ModelConfig,
+    RolloutConfig,
+)
 from megatron_gspo.rollout.hf_model import RouteRecorder, build_hf_model, moe_layer_indices
+from megatron_gspo.rollout.route_forcing import RouteForcer
+from megatron_gspo.rollout.route_twin import Float32RouteTwin
 from megatron_gspo.rollout.sampling import UniformStreams, sample_tokens, temperature_log_probs
 from megatron_gspo.rollout.types import (
     PAUSE_MODES,
@@ -116,6 +128,12 @@ class EmbeddedEngine(RolloutEngine):
             at each sync and compute in that dtype, as SGLang does (a real mismatch).
         pause_wait_timeout_s: how long ``generate`` waits for ``resume`` after ``pause``.
         hf_model: use this transformers model instead of building one (shares its weights).
+        route_source: ``own`` (the routers choose) or ``float32_twin`` (``rollout.
+            embedded_route_source``): a float32 copy of the model, started from the same
+            weights and loaded by every sync, chooses the experts of every forward (generation
+            and ``score``) and the engine's routers are forced to them (weights recomputed by
+            the engine's routers). Its routes are the fp32 trainer's; in float32 the engine is
+            unchanged bit for bit. MoE models only (``ValueError`` otherwise).
     """
 
     def __init__(
@@ -127,9 +145,14 @@ class EmbeddedEngine(RolloutEngine):
         dtype: torch.dtype = torch.float32,
         pause_wait_timeout_s: float = 600.0,
         hf_model: Any = None,
+        route_source: str = "own",
     ):
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size={max_batch_size} must be >= 1")
+        if route_source not in EMBEDDED_ROUTE_SOURCES:
+            raise ValueError(
+                f"route_source={route_source!r} is not one of {EMBEDDED_ROUTE_SOURCES}"
+            )
         self.model_config = model_config
         self.hf_model = (
             hf_model
@@ -149,6 +172,19 @@ class EmbeddedEngine(RolloutEngine):
         # The router hooks stay registered for the engine's life; forwards (and so recordings)
         # are serialised by the model lock, which keeps concurrent generate calls apart.
         self._recorder = RouteRecorder(self.hf_model, enabled=False).__enter__()
+        self.route_source = route_source
+        self._forcer: Optional[RouteForcer] = None
+        self._twin: Optional[Float32RouteTwin] = None
+        if route_source == "float32_twin":
+            # The forcer refuses a dense model or a router whose weight rule it does not know.
+            self._forcer = RouteForcer(self.hf_model)
+            # Built like the engine's model (the same fp32 initial weights, before the engine's
+            # cast), or from the model the engine was given.
+            self._twin = Float32RouteTwin(
+                model_config,
+                seed=seed,
+                weights=None if hf_model is None else self._layout.disk_state(),
+            )
         self._seed_rng = random.Random(seed)
         self._weight_version = 0
         self._model_lock = threading.Lock()
@@ -165,13 +201,15 @@ class EmbeddedEngine(RolloutEngine):
         cls, model: ModelConfig, rollout: Optional[RolloutConfig] = None, *, seed: int = 0
     ) -> EmbeddedEngine:
         """The engine for ``model`` in ``rollout.dtype`` (float32 without ``rollout``) with
-        ``rollout.embedded_max_batch_size``; the sampling settings travel in each request."""
+        ``rollout.embedded_max_batch_size`` and ``rollout.embedded_route_source``; the sampling
+        settings travel in each request."""
         rollout = rollout if rollout is not None else RolloutConfig()
         return cls(
             model,
             seed=seed,
             dtype=getattr(torch, rollout.dtype),
             max_batch_size=rollout.embedded_max_batch_size,
+            route_source=rollout.embedded_route_source,
         )
 
     # ------------------------------------------------------------------ properties and info
@@ -193,6 +231,7 @@ class EmbeddedEngine(RolloutEngine):
             "vocab_size": self.vocab_size,
             "max_position_embeddings": self.max_positions,
             "dtype": str(next(self.hf_model.parameters()).dtype).removeprefix("torch."),
+            "route_source": self.route_source,
         }
 
     @property
@@ -273,12 +312,20 @@ class EmbeddedEngine(RolloutEngine):
         # generation only stops for the final copy.
         # A stable stream (the trainer's own parameters, unchanged during the sync) is staged by
         # reference: no second copy of the model exists at any time.
-        staged, num_tensors, num_bytes = self._layout.stage(
-            ((name, torch.as_tensor(tensor)) for name, tensor in named_tensors),
-            borrow=isinstance(named_tensors, StableTensorStream),
-        )
+        borrow = isinstance(named_tensors, StableTensorStream)
+        tensors = ((name, torch.as_tensor(tensor)) for name, tensor in named_tensors)
+        # The float32 twin takes the same stream, read once: each tensor is kept for it (a
+        # float32 copy, or the stable stream's own tensor) and staged after the engine's
+        # staging has checked the whole set, so a failed sync changes neither model.
+        kept_for_twin: list = []
+        if self._twin is not None:
+            tensors = self._twin.tap(tensors, kept_for_twin, borrow=borrow)
+        staged, num_tensors, num_bytes = self._layout.stage(tensors, borrow=borrow)
+        twin_staged = self._twin.stage(kept_for_twin) if self._twin is not None else None
         with self._model_lock:
             self._layout.commit(staged)
+            if self._twin is not None:
+                self._twin.commit(twin_staged)
             self._weight_version = int(version)
         return SyncStats(
             weight_version=int(version),
@@ -334,7 +381,15 @@ class EmbeddedEngine(RolloutEngine):
             with self._model_lock, torch.inference_mode():
                 if self._closed:
                     raise RolloutEngineError("embedded engine: score() after close()")
-                logits = self.hf_model(input_ids=input_ids, attention_mask=attention_mask).logits
+                forced = (
+                    self._twin.routes(input_ids, attention_mask, None)
+                    if self._twin is not None
+                    else None
+                )
+                with self._forced_routes(forced):
+                    logits = self.hf_model(
+                        input_ids=input_ids, attention_mask=attention_mask
+                    ).logits
             for row, index in enumerate(batch):
                 prompt_length, response = len(prompts[index]), responses[index]
                 if not len(response):
@@ -434,29 +489,30 @@ class EmbeddedEngine(RolloutEngine):
                 reasons.append("Aborted by abort_request" if aborted else None)
             return reasons
 
+    def _forced_routes(self, routes: Optional[list[torch.Tensor]]):
+        """The context of a forward whose routers are forced to ``routes`` (the float32
+        twin's), or of one whose routers choose (``routes`` None)."""
+        if self._forcer is None:
+            return contextlib.nullcontext()
+        return self._forcer.forcing(routes)
+
     def _forward(
-        self, input_ids, attention_mask, position_ids, cache, want_routes: bool
+        self, input_ids, attention_mask, position_ids, cache, want_routes: bool, twin_cache=None
     ) -> tuple[torch.Tensor, int, Optional[torch.Tensor]]:
         """``(logits, version, routes)``: last-position fp32 logits ``[B, V]``, the weight
         version that produced them and, if asked, the routes ``[B, S, M, K]`` of every position.
+        With a float32 twin, it runs first on the same inputs (``twin_cache``: its KV cache)
+        and the engine's routers follow its choice.
         """
         batch_size, seq_len = input_ids.shape
         with self._model_lock, torch.inference_mode():
+            forced = None
+            if self._twin is not None:
+                forced = self._twin.routes(input_ids, attention_mask, position_ids, twin_cache)
             self._recorder.enabled = want_routes
             try:
-                if self.reduced_precision:
-                    logits = self._reduced_precision_logits(
-                        input_ids, attention_mask, position_ids, cache
-                    )
-                else:
-                    logits = self.hf_model(
-                        input_ids=input_ids,
-                        attention_mask=attention_mask,
-                        position_ids=position_ids,
-                        past_key_values=cache,
-                        use_cache=True,
-                        logits_to_keep=1,
-                    ).logits[:, -1, :]
+                with self._forced_routes(forced):
+                    logits = self._logits(input_ids, attention_mask, position_ids, cache)
                 routes = None
                 if want_routes:
                     routes = torch.stack(self._recorder.pop(batch_size, seq_len), dim=2)
@@ -465,6 +521,19 @@ class EmbeddedEngine(RolloutEngine):
             # In a reduced-precision engine the logits leave the output layer in bf16/fp16; the
             # softmax that follows runs in float32, as in SGLang (see the module docstring).
             return logits.float(), self._weight_version, routes
+
+    def _logits(self, input_ids, attention_mask, position_ids, cache) -> torch.Tensor:
+        """``[B, V]`` last-position logits of one forward (in the model's dtype)."""
+        if self.reduced_precision:
+            return self._reduced_precision_logits(input_ids, attention_mask, position_ids, cache)
+        return self.hf_model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            past_key_values=cache,
+            use_cache=True,
+            logits_to_keep=1,
+        ).logits[:, -1, :]
 
     def _reduced_precision_logits(self, input_ids, attention_mask, position_ids, cache):
         """``[B, V]`` last-position logits of a bf16 / fp16 model: the decoder, then the output
@@ -519,9 +588,10 @@ class EmbeddedEngine(RolloutEngine):
         held_back = _held_back_stops(batch, 0, self.vocab_size) if thresholds else None
         want_routes = any(s.request.return_routed_experts for s in batch)
         cache = DynamicCache(config=self.hf_model.config)
+        twin_cache = self._twin.new_cache() if self._twin is not None else None
 
         logits, version, routes = self._forward(
-            input_ids, attention_mask, position_ids, cache, want_routes
+            input_ids, attention_mask, position_ids, cache, want_routes, twin_cache
         )
         for row, sample in enumerate(batch):
             sample.weight_version = version
@@ -557,6 +627,8 @@ class EmbeddedEngine(RolloutEngine):
                 # Finished rows leave the batch (and the KV cache) instead of decoding padding.
                 index = torch.tensor(keep)
                 cache.batch_select_indices(index)
+                if twin_cache is not None:
+                    twin_cache.batch_select_indices(index)
                 tokens = tokens[index]
                 temperatures, top_p, top_k = temperatures[index], top_p[index], top_k[index]
                 prompt_lengths = prompt_lengths[index]
@@ -573,7 +645,7 @@ class EmbeddedEngine(RolloutEngine):
             # The token just sampled sits at position prompt_length + generated - 1.
             position_ids = (prompt_lengths + (generated - 1)).unsqueeze(1)
             logits, version, routes = self._forward(
-                tokens.unsqueeze(1), attention_mask, position_ids, cache, want_routes
+                tokens.unsqueeze(1), attention_mask, position_ids, cache, want_routes, twin_cache
             )
             for row, sample in enumerate(live):
                 sample.weight_version = min(sample.weight_version, version)

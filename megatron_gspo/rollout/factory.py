@@ -72,6 +72,7 @@ def build_embedded_http_engine(
             seed=options.seed,
             dtype=rollout.dtype,
             max_batch_size=rollout.embedded_max_batch_size,
+            route_source=rollout.embedded_route_source,
             threads=rollout.engine_threads,
         ).start()
         return SGLangEngine(

@@ -58,7 +58,12 @@ from urllib.parse import urlparse
 
 import torch
 
-from megatron_gspo.config import EMBEDDED_MAX_BATCH_SIZE, ModelConfig, from_dict
+from megatron_gspo.config import (
+    EMBEDDED_MAX_BATCH_SIZE,
+    EMBEDDED_ROUTE_SOURCES,
+    ModelConfig,
+    from_dict,
+)
 from megatron_gspo.rollout.auth import (
     API_KEY_ENV,
     api_key_from_environment,
@@ -541,7 +546,7 @@ class _Handler(BaseHTTPRequestHandler):
 def main(argv: Optional[list[str]] = None) -> None:
     """``MEGATRON_GSPO_SGLANG_API_KEY=KEY python -m megatron_gspo.rollout.server --port P
     [--model-config JSON] [--seed S] [--dtype float32|bfloat16|float16] [--max-batch-size B]
-    [--threads T]``: serve a
+    [--route-source own|float32_twin] [--threads T]``: serve a
     randomly initialised embedded engine until interrupted (weights arrive through
     ``/update_weights_from_disk``). Clients must send the key, as with SGLang's ``--api-key``;
     it comes from the environment only, which other users cannot read (every local user reads a
@@ -565,6 +570,12 @@ def main(argv: Optional[list[str]] = None) -> None:
         type=int,
         default=EMBEDDED_MAX_BATCH_SIZE,
         help="most samples decoded together (rollout.embedded_max_batch_size)",
+    )
+    parser.add_argument(
+        "--route-source",
+        default="own",
+        choices=list(EMBEDDED_ROUTE_SOURCES),
+        help="whose experts the MoE routers use (rollout.embedded_route_source)",
     )
     parser.add_argument(
         "--model-config",
@@ -593,6 +604,7 @@ def main(argv: Optional[list[str]] = None) -> None:
             seed=args.seed,
             dtype=getattr(torch, args.dtype),
             max_batch_size=args.max_batch_size,
+            route_source=args.route_source,
         ),
         port=args.port,
         api_key=api_key,

@@ -48,6 +48,7 @@ class EmbeddedServerProcess:
         seed: int = 0,
         dtype: str = "float32",
         max_batch_size: int = EMBEDDED_MAX_BATCH_SIZE,
+        route_source: str = "own",
         threads: Optional[int] = None,
         port: Optional[int] = None,
     ):
@@ -66,6 +67,8 @@ class EmbeddedServerProcess:
             dtype,
             "--max-batch-size",
             str(max_batch_size),
+            "--route-source",
+            route_source,
             "--model-config",
             json.dumps(to_dict(model_config)),
         ]

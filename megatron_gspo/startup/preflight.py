@@ -16,6 +16,8 @@ logs) calls :func:`check_before_start`, which checks
 - the rollout engine's own check (:data:`ENGINE_START_CHECKS`): for SGLang, the servers answer
   or what launching them needs is there (none for a replayed run, which starts no engine),
 - a replayed run's recorded batches (``rollout.replay_dir``): one for every step,
+- ``rollout.retokenize_responses``: the tokenizer is byte-level BPE (its tokens are byte
+  strings to align the engine's log-probs on),
 - the extra models (``models.<role>``: :func:`megatron_gspo.rollout.roles.role_start_problems`):
   their directories, and the policy's tokenizer where a role needs it (the teacher); the
   judge's own tokenizer (``reward.judge``: :func:`megatron_gspo.rollout.judge_backend.
@@ -42,6 +44,7 @@ from megatron_gspo.config.schema import StartupErrors
 from megatron_gspo.convert.hf_config import resolve_model_config
 from megatron_gspo.convert.safetensors_io import damaged_safetensors
 from megatron_gspo.data.prompts import check_prompt_file
+from megatron_gspo.data.retokenization import token_byte_table
 from megatron_gspo.data.synthetic import check_task
 from megatron_gspo.data.tokenizer import load_tokenizer
 from megatron_gspo.envs.base import EnvironmentSpec, load_environment
@@ -70,6 +73,7 @@ def check_before_start(cfg: TrainConfig) -> None:
         _environment,
         _rollout_engine,
         _replay,
+        _retokenization,
         _extra_models,
         judge_start_problems,
     ):
@@ -353,6 +357,33 @@ def _extra_models(cfg: TrainConfig) -> list[ConfigError]:
         with contextlib.suppress(ConfigError):
             tokenizer, _ = load_tokenizer(cfg.data, model)
     return role_start_problems(cfg, tokenizer)
+
+
+def _retokenization(cfg: TrainConfig) -> list[ConfigError]:
+    """``rollout.retokenize_responses`` needs a byte-level BPE tokenizer (the config refuses the
+    synthetic task; a tokenizer that cannot be loaded is :func:`_data_and_tokenizer`'s)."""
+    if not cfg.rollout.retokenize_responses or cfg.data.train_path is None:
+        return []
+    model, _ = _resolved_model(cfg)
+    if model is None:
+        return []
+    try:
+        tokenizer, source = load_tokenizer(cfg.data, model)
+    except ConfigError:
+        return []
+    try:
+        token_byte_table(tokenizer)
+    except ValueError as error:
+        return [
+            ConfigError(
+                "rollout.retokenize_responses",
+                f"the tokenizer of {source}: {error}",
+                "the engine's log-probs are carried to the re-encoded tokens on byte offsets, "
+                "which a byte-level BPE tokenizer (GPT-2, Qwen, Llama 3) gives exactly",
+                "use a byte-level BPE tokenizer, or set rollout.retokenize_responses=false",
+            )
+        ]
+    return []
 
 
 def _replay(cfg: TrainConfig) -> list[ConfigError]:

@@ -107,11 +107,15 @@ def test_ci_run_calls_the_readmes_test_commands() -> None:
     script = CI_RUN.read_text()
     readme = " ".join((ROOT / "README.md").read_text().replace("\\\n", " ").split())
     py312_tests = re.search(r'^PY312_TESTS="([^"]+)"$', script, re.MULTILINE).group(1)
-    assert "python -m pytest tests\n" in script
-    assert "python -m pytest tests\n" in (ROOT / "README.md").read_text()
+    main_command = "python -m pytest tests -n 2 --dist loadgroup\n"
+    assert main_command in script
+    assert main_command in (ROOT / "README.md").read_text()
     assert "python -m pytest ${PY312_TESTS}" in script
     assert f"python -m pytest {py312_tests}" in readme
-    for path in py312_tests.split():
+    # The job's pytest options (two workers), then the tests it runs.
+    options = "-n 2 --dist loadgroup "
+    assert py312_tests.startswith(options)
+    for path in py312_tests.removeprefix(options).split():
         path, _, test = path.removeprefix("--ignore=").removeprefix("--deselect=").partition("::")
         assert (ROOT / path).exists(), f"PY312_TESTS names {path}, which does not exist"
         if test:

@@ -1,5 +1,6 @@
-"""The CPU demo's learning curves stay within the band of the stored reference's seeds
-(``tools/curve_gate.py``; ``--update`` rewrites the reference, deliberately)."""
+"""The CPU demo's learning curves, and each variant's of the compare tool's quick suite, stay
+within the band of the stored reference's seeds (``tools/curve_gate.py``; ``--update`` rewrites
+a reference, deliberately)."""
 
 from __future__ import annotations
 
@@ -25,6 +26,63 @@ def test_the_demo_stays_within_the_band_of_its_seeds(cpu_demo_metrics):
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "within the band of" in result.stdout
+
+
+def test_the_quick_compare_suite_stays_within_the_band_of_its_seeds(tmp_path):
+    """One run of ``tools/compare_grpo_gspo.py --quick`` (one process, no plots), every variant's
+    reward and clipped-token curves against ``tools/curve_references/compare_quick.json``."""
+    result = subprocess.run(
+        [sys.executable, "tools/curve_gate.py", "--gate", "compare_quick", "--check"],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "compare_quick curves are within the band of" in result.stdout
+
+
+def test_the_quick_suites_gate_fails_gspo_clipping_like_grpo(tmp_path):
+    """Runs written from the reference's mean curves pass through the gate's own reading of a
+    ``--out`` folder; GSPO clipping GRPO's share of tokens (its sequence clip gone) fails,
+    named by step and the clip ratio; a variant that did not run fails, named."""
+    gate = curve_gate.GATES["compare_quick"]
+    reference = json.loads(gate.reference.read_text())
+    assert set(reference["metrics"]) == set(gate.gated) and len(reference["seeds"]) >= 3
+
+    def write_runs(out: Path, clip_of: dict[str, str]) -> None:
+        for variant in curve_gate.COMPARE_VARIANTS:
+            series = {
+                metric: _undo_trailing_mean(
+                    reference["metrics"][f"{clip_of.get(variant, variant)}/{metric}"]["mean"]
+                    if metric == "clip_frac_token"
+                    else reference["metrics"][f"{variant}/{metric}"]["mean"]
+                )
+                for metric in curve_gate.COMPARE_METRICS
+            }
+            steps = len(series["reward_mean"])
+            (out / variant).mkdir(parents=True)
+            (out / variant / "metrics.jsonl").write_text(
+                "".join(
+                    json.dumps({"step": step, **{m: v[step] for m, v in series.items()}}) + "\n"
+                    for step in range(steps)
+                )
+            )
+
+    write_runs(tmp_path / "as_reference", {})
+    records = gate.read(tmp_path / "as_reference")
+    assert curve_gate.band_violations(reference, records) == []
+    write_runs(tmp_path / "gspo_clips_like_grpo", {"gspo": "grpo"})
+    problems = curve_gate.band_violations(reference, gate.read(tmp_path / "gspo_clips_like_grpo"))
+    assert problems and all(problem.split()[2] == curve_gate.CLIP_RATIO for problem in problems)
+    assert problems[0].startswith("steps ")
+    without_r3 = [
+        {key: value for key, value in record.items() if not key.startswith("grpo_r3/")}
+        for record in records
+    ]
+    missing = curve_gate.band_violations(reference, without_r3)
+    assert missing and all(problem.startswith("grpo_r3/") for problem in missing)
+    assert "the run has 0 steps" in missing[0]
 
 
 def test_a_curve_that_stops_learning_is_named_by_step_and_metric():

@@ -51,12 +51,36 @@ def server_model_config(**overrides: Any) -> ModelConfig:
     return ModelConfig(**{"init_std": 0.2, **overrides})
 
 
+READY_ENV = "MEGATRON_GSPO_SGLANG_VENV_READY"
+"""Set by ``.ci/run`` while it builds the SGLang environment beside the tests: the file that the
+build writes when it ends, ``ok`` or ``failed`` and the build's last lines."""
+BUILD_TIMEOUT_S = 1200.0
+
+
+def wait_for_sglang_build(timeout_s: float = BUILD_TIMEOUT_S) -> None:
+    """Returns once the background build of the SGLang environment has succeeded (at once when
+    none runs: :data:`READY_ENV` unset); raises when it failed or did not end in time."""
+    ready = os.environ.get(READY_ENV)
+    if not ready:
+        return
+    deadline = time.monotonic() + timeout_s
+    while not os.path.exists(ready):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the SGLang environment's build did not end in {timeout_s:.0f} s")
+        time.sleep(1.0)
+    status = Path(ready).read_text()
+    if status.splitlines()[:1] != ["ok"]:
+        raise RuntimeError(f"the SGLang environment's build beside the tests failed:\n{status}")
+
+
 def sglang_python() -> Optional[str]:
     """The interpreter of the SGLang environment, None when :data:`VENV_ENV` is unset; raises
-    when it is set but holds no interpreter (a broken setup must fail, not skip)."""
+    when it is set but holds no interpreter (a broken setup must fail, not skip). While
+    ``.ci/run`` builds the environment beside the tests, it waits for the build."""
     venv = os.environ.get(VENV_ENV)
     if not venv:
         return None
+    wait_for_sglang_build()
     python = venv_python(venv)
     if not python.exists():
         raise FileNotFoundError(f"{VENV_ENV}={venv} has no bin/python; rebuild it ({SKIP_REASON})")

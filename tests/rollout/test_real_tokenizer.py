@@ -9,6 +9,7 @@ scored by the math reward. Untrained, the model scores 0; the boxed reference an
 from __future__ import annotations
 
 import pytest
+import torch
 
 from megatron_gspo.data import load_prompt_dataset
 from megatron_gspo.data.arithmetic_text import boxed_answer, write_arithmetic_prompt_file
@@ -71,3 +72,48 @@ def test_stop_strings_cut_embedded_responses(qwen_vocab_engine, qwen_tokenizer):
     length, matched = cut_at_stop_string(qwen_tokenizer, result.output_ids, [stop])
     assert matched == stop and stop in qwen_tokenizer.decode(result.output_ids[:length])
     assert stop not in qwen_tokenizer.decode(result.output_ids[: length - 1])
+
+
+def test_retokenized_samples_carry_the_engines_log_probs(
+    qwen_vocab_engine, qwen_tokenizer, tmp_path
+):
+    """``rollout.retokenize_responses`` on samples this engine generated: the ids become the
+    decode-then-encode ones, each response's log-prob total is kept, an unchanged response keeps
+    its values bit for bit, and up to the first changed token the carried values are the ones
+    the engine gives the new ids (teacher-forced: the context is the same there)."""
+    from megatron_gspo.production.retokenization import Retokenizer
+    from megatron_gspo.production.sampling import Sampling
+    from megatron_gspo.production.single_turn import generate
+    from megatron_gspo.production.task import Task
+
+    path = write_arithmetic_prompt_file(tmp_path / "arithmetic.jsonl", 4, seed=2)
+    dataset = load_prompt_dataset(path, qwen_tokenizer, max_prompt_length=96)
+    prompts = [dataset.prompt(index) for index in range(len(dataset))]
+    task = Task(qwen_tokenizer, stream=None, eval_prompts=[], eos_token_id=IM_END)
+    sampling = Sampling(1.0, 1.0, -1, 0, 16, group_size=4, return_routes=True, seed=5)
+    samples, _ = generate(qwen_vocab_engine, task, prompts, sampling, step=0)
+    before = [
+        (s.tokens[s.prompt_length :].tolist(), s.rollout_log_probs.double().clone())
+        for s in samples
+    ]
+    metrics = Retokenizer(qwen_tokenizer)(samples)
+    changed = 0
+    for sample, (old_ids, old_log_probs) in zip(samples, before):
+        new_ids = sample.tokens[sample.prompt_length :].tolist()
+        text = qwen_tokenizer.decode(old_ids, skip_special_tokens=False)
+        assert new_ids == qwen_tokenizer.encode(text, add_special_tokens=False)
+        assert sample.rollout_routes is None and sample.rollout_log_probs.numel() == len(new_ids)
+        new_log_probs = sample.rollout_log_probs.double()
+        assert float(new_log_probs.sum()) == pytest.approx(float(old_log_probs.sum()), abs=1e-4)
+        if new_ids == old_ids:
+            assert torch.equal(new_log_probs, old_log_probs)
+            continue
+        changed += 1
+        first = next(i for i, (a, b) in enumerate(zip(old_ids, new_ids)) if a != b)
+        (scored,) = qwen_vocab_engine.score(
+            [sample.tokens[: sample.prompt_length].tolist()], [new_ids]
+        )
+        assert new_log_probs[:first].tolist() == pytest.approx(scored[:first].tolist(), abs=1e-5)
+    assert changed > 0, "no response changed: the test would not check the carrying"
+    assert metrics["retokenized_frac_seq"] == changed / len(samples)
+    assert 0 < metrics["retokenized_frac_token"] < 1

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -133,6 +134,19 @@ def test_selection_puts_the_twin_first_and_refuses_what_it_cannot_run(tmp_path):
         "bf16",
         "bf16+tis",
     ]
+    # The trainer's routes forced into a bf16 engine: its own source, a config override.
+    variants, problems = select("--sources", "bf16_trainer_routes", "--corrections", "none,r3")
+    assert problems == []
+    assert variants == [
+        "fp32_twin",
+        "fp32_twin+r3",
+        "bf16_trainer_routes",
+        "bf16_trainer_routes+r3",
+    ]
+    assert compare_attribution.VARIANTS["bf16_trainer_routes"] == [
+        "rollout.dtype=bfloat16",
+        "rollout.embedded_route_source=float32_twin",
+    ]
     _, problems = select("--sources", "bf8", "--corrections", "magic")
     assert problems == ["unknown source 'bf8'", "unknown correction 'magic'"]
     _, problems = select("--rollout-engine", "sglang")
@@ -167,16 +181,98 @@ def test_staleness_batch_composition_and_routing_replay_rows(tmp_path):
     result = _run_tool(
         out,
         "--sources",
-        "bf16,fp16,batch1,stale1,stale2,bf16_batch1,bf16_stale1",
+        "bf16,fp16,batch1,stale1,stale2,bf16_batch1,bf16_stale1,bf16_trainer_routes",
         "--corrections",
         "none,r3",
         overrides=overrides,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     rows = {r["variant"]: r for r in json.loads((out / "attribution.json").read_text())["rows"]}
-    assert len(rows) == 16
+    assert len(rows) == 18
     assert rows["stale1"]["staleness"]["mean"] > 0
     assert rows["stale2"]["staleness"]["mean"] >= rows["stale1"]["staleness"]["mean"]
     assert rows["fp16"]["log_prob_gap"]["mean"] > 10 * rows["fp32_twin"]["log_prob_gap"]["mean"]
     assert rows["bf16"]["flip_share"] is not None
     assert rows["bf16+r3"]["routing_flips"]["mean"] == 0.0  # R3: the engine's experts
+    # The trainer's routes in the bf16 engine: bf16's precision gap, and as few flips as the
+    # fp32 twin has (none: the float32 copy that chooses routes as the trainer does).
+    forced = rows["bf16_trainer_routes"]
+    assert forced["log_prob_gap"]["mean"] > 10 * rows["fp32_twin"]["log_prob_gap"]["mean"]
+    assert forced["routing_flips"]["mean"] == rows["fp32_twin"]["routing_flips"]["mean"] == 0.0
+
+
+def test_retokenize_runs_on_the_text_model_against_its_own_twin(tmp_path, qwen_tokenizer_dir):
+    """The retokenize source needs a real tokenizer: it and its baseline, ``qwen_twin``, run on
+    the text model (Qwen's vocabulary), and its paired differences come from that twin."""
+
+    def select(*options: str, overrides: list[str] = ()) -> tuple[list[str], list[str]]:
+        args, _ = compare_grpo_gspo.parse_args(
+            ["--suite", "attribution", "--out", str(tmp_path), *options]
+        )
+        return compare_attribution.selected_variants(args, list(overrides))
+
+    variants, problems = select("--sources", "retokenize,bf16", "--corrections", "none,r3")
+    assert problems == []
+    # Each model's twin first; R3 cannot replay routes of re-encoded tokens: left out.
+    assert variants == [
+        "fp32_twin",
+        "fp32_twin+r3",
+        "qwen_twin",
+        "qwen_twin+r3",
+        "retokenize",
+        "bf16",
+        "bf16+r3",
+    ]
+    assert select("--sources", "retokenize")[0] == ["qwen_twin", "qwen_twin+r3", "retokenize"]
+    _, problems = select("--sources", "retokenize", overrides=["model.hf_path=/models/x"])
+    assert len(problems) == 1 and "text model" in problems[0]
+    # Every source by default with your own model: the text model's sources are left out.
+    variants, problems = select(overrides=["model.hf_path=/models/x"])
+    assert problems == [] and not {"qwen_twin", "retokenize"} & set(variants)
+    args, overrides = compare_grpo_gspo.parse_args(
+        ["--suite", "attribution", "--quick", "--out", str(tmp_path)]
+    )
+    command = compare_grpo_gspo.run_command(args, "retokenize", overrides, seed=1)
+    # The text model's overrides come after --quick's 16-token vocabulary, the source's last.
+    assert command.index("model.vocab_size=16") < command.index("model.vocab_size=151936")
+    assert f"data.tokenizer_path={tmp_path / 'qwen_text' / 'tokenizer'}" in command
+    assert command[-2] == "rollout.retokenize_responses=true"
+    twin = compare_grpo_gspo.run_command(args, "qwen_twin", overrides, seed=1)
+    assert twin[:-1] == [o for o in command[:-1] if o != "rollout.retokenize_responses=true"]
+    # The files the text model reads (the tokenizer given here: building it costs 5 s).
+    shutil.copytree(qwen_tokenizer_dir, tmp_path / "qwen_text" / "tokenizer")
+    assert compare_attribution.prepare_models(["qwen_twin", "retokenize"], tmp_path) == []
+    prompts = (tmp_path / "qwen_text" / "arithmetic.jsonl").read_text().splitlines()
+    assert len(prompts) == compare_attribution.TEXT_PROMPTS and "\\\\boxed" in prompts[0]
+    # Rows: retokenize's reward difference is taken from qwen_twin on the same seeds.
+    runs = {
+        "fp32_twin": {1: _records(1e-7, [0.5, 0.5])},
+        "qwen_twin": {1: _records(3e-7, [0.0, 0.1])},
+        "retokenize": {1: _records(0.6, [0.0, 0.0])},
+    }
+    rows = {
+        row["variant"]: row
+        for row in compare_attribution.attribution_rows(runs, threshold=0.5, collapse_drop=0.2)
+    }
+    assert rows["retokenize"]["baseline"] == "qwen_twin"
+    assert rows["retokenize"]["reward_vs_twin"]["mean"] == pytest.approx(-0.05)
+    assert rows["qwen_twin"]["reward_vs_twin"] is None
+
+
+@pytest.mark.slow
+def test_retokenize_rows_from_real_runs(tmp_path):
+    """Two real runs on the text model (its twin and retokenize), one step each: the twin is
+    exact, retokenization changes responses and moves the per-token gap by orders of magnitude."""
+    out = tmp_path / "attribution"
+    result = _run_tool(out, "--sources", "retokenize", "--corrections", "none")
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = {r["variant"]: r for r in json.loads((out / "attribution.json").read_text())["rows"]}
+    assert list(rows) == ["qwen_twin", "retokenize"]
+    assert rows["qwen_twin"]["log_prob_gap"]["mean"] <= 1e-6
+    assert rows["qwen_twin"]["retokenized_frac_seq"]["mean"] is None
+    assert rows["retokenize"]["retokenized_frac_seq"]["mean"] > 0
+    assert 0 < rows["retokenize"]["retokenized_frac_token"]["mean"] < 1
+    assert (
+        rows["retokenize"]["log_prob_gap"]["mean"] > 1e3 * rows["qwen_twin"]["log_prob_gap"]["mean"]
+    )
+    assert rows["retokenize"]["routing_flips"]["mean"] is None  # no routes for re-encoded tokens
