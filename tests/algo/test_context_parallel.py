@@ -8,13 +8,13 @@ none. The sum of the ranks' losses and their gradients, scattered back, must equ
 from __future__ import annotations
 
 import os
-import socket
 import tempfile
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from free_ports import free_port  # tests/free_ports.py: safe beside other workers
 
 from megatron_gspo.algo import PolicyLossSettings, RolloutCorrection, policy_loss
 
@@ -112,12 +112,6 @@ def worker(rank: int, port: int, out_dir: str) -> None:
         results.append((loss.detach(), log_probs.grad, metrics))
     torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
     dist.destroy_process_group()
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @pytest.mark.distributed

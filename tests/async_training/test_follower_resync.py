@@ -7,21 +7,15 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import tempfile
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from free_ports import free_port  # tests/free_ports.py: safe beside other workers
 
 from megatron_gspo.driver.follower import DriverFollower
 from megatron_gspo.driver.interface import WEIGHTS_WANTED, broadcast_samples
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def worker(rank: int, port: int, out_dir: str) -> None:

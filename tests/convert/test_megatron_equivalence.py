@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -19,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
+from free_ports import free_port  # tests/free_ports.py: safe beside other workers
 from safetensors.torch import load_file
 
 from megatron_gspo.config import ModelConfig
@@ -46,12 +46,6 @@ def hf_root(tmp_path_factory):
     return root
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def run_worker(hf_root: Path, out: Path, plan: list[dict], nproc: int = 1) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     arguments = [str(WORKER), "--hf-root", str(hf_root), "--out", str(out)]
@@ -65,7 +59,7 @@ def run_worker(hf_root: Path, out: Path, plan: list[dict], nproc: int = 1) -> Pa
             "torch.distributed.run",
             f"--nproc_per_node={nproc}",
             "--master_addr=127.0.0.1",
-            f"--master_port={_free_port()}",
+            f"--master_port={free_port()}",
             *arguments,
         ]
     environment = os.environ | {"OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO_ROOT)}

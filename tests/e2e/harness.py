@@ -13,7 +13,6 @@ import json
 import math
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -23,6 +22,7 @@ from pathlib import Path
 from typing import Optional
 
 import psutil
+from free_ports import free_port  # tests/free_ports.py: safe beside other workers
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -59,12 +59,6 @@ LAYOUT_DEPENDENT = frozenset({"tokens", "padding_tokens", "num_micro_batches"})
 
 def is_time_key(key: str) -> bool:
     return key.startswith("time/") or key.endswith("_s") or key.endswith("_seconds")
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def subprocess_env() -> dict:

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from free_ports import free_port  # tests/free_ports.py: safe beside other workers
 
 from megatron_gspo.engine import logprobs
 from megatron_gspo.engine.logprobs import default_chunk_size, vocab_parallel_log_probs
@@ -277,15 +277,9 @@ def test_bad_inputs_raise_actionable_errors(change, message):
         vocab_parallel_log_probs(**arguments)
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @pytest.mark.distributed
 def test_tp2_matches_one_process(tmp_path):
-    port = _free_port()
+    port = free_port()
     processes = []
     for rank in range(2):
         environment = os.environ | dict(

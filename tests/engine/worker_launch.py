@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import traceback
@@ -13,12 +12,6 @@ from collections.abc import Callable
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def worker_env() -> dict:
@@ -33,6 +26,10 @@ def worker_command(worker: Path, world: int) -> list[str]:
     """``python WORKER`` for one process, ``torchrun`` on a free loopback port for several."""
     if world == 1:
         return [sys.executable, str(worker)]
+    # Here, not at the top: the worker scripts import this module (run_checks) in processes
+    # whose path lacks tests/, where tests/free_ports.py lives.
+    from free_ports import free_port
+
     return [
         sys.executable,
         "-m",

@@ -8,8 +8,7 @@ processes (SGLang's scheduler and detokenizer are children) had to be killed aft
 from __future__ import annotations
 
 import pytest
-
-from megatron_gspo.weight_sync import free_port
+from free_ports import free_port  # tests/free_ports.py: safe beside other workers
 
 from .server import (
     SGLANG_VERSION,

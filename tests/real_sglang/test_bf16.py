@@ -27,6 +27,7 @@ import psutil
 import pytest
 import torch
 import transformers
+from free_ports import free_port  # tests/free_ports.py: safe beside other workers
 
 from megatron_gspo.convert.hf_config import hf_config_from_model_config
 from megatron_gspo.rollout.embedded import EmbeddedEngine
@@ -34,7 +35,7 @@ from megatron_gspo.rollout.hf_model import forward_with_routes
 from megatron_gspo.rollout.sglang_client import SGLangEngine
 from megatron_gspo.rollout.sglang_protocol import RouteLayout
 from megatron_gspo.rollout.types import GenerateRequest, sync_weights_paused
-from megatron_gspo.weight_sync import DiskTransport, free_port, write_hf_checkpoint
+from megatron_gspo.weight_sync import DiskTransport, write_hf_checkpoint
 
 from .server import SKIP_REASON, export_model, server_model_config, sglang_python, start_server
 

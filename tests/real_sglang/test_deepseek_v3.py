@@ -10,11 +10,12 @@ a server start, minutes on a crowded machine.
 from __future__ import annotations
 
 import pytest
+from free_ports import free_port  # tests/free_ports.py: safe beside other workers
 
 from megatron_gspo.convert.hf_config import hf_config_from_model_config
 from megatron_gspo.rollout.embedded import EmbeddedEngine
 from megatron_gspo.rollout.types import RolloutEngineError
-from megatron_gspo.weight_sync import free_port, write_hf_checkpoint
+from megatron_gspo.weight_sync import write_hf_checkpoint
 
 from .server import SKIP_REASON, server_model_config, sglang_python, start_server
 

@@ -24,6 +24,7 @@ import pytest
 import torch
 import transformers
 from e2e.harness import GRPO, TINY, assert_required_metrics, run_train
+from free_ports import free_port  # tests/free_ports.py: safe beside other workers
 
 from megatron_gspo.convert.hf_config import hf_config_from_model_config
 from megatron_gspo.rollout.auth import API_KEY_ENV
@@ -32,7 +33,7 @@ from megatron_gspo.rollout.hf_model import forward_with_routes
 from megatron_gspo.rollout.sglang_client import SGLangEngine
 from megatron_gspo.rollout.sglang_protocol import RouteLayout
 from megatron_gspo.rollout.types import GenerateRequest
-from megatron_gspo.weight_sync import TensorTransport, free_port, write_hf_checkpoint
+from megatron_gspo.weight_sync import TensorTransport, write_hf_checkpoint
 
 from .server import (
     SGLANG_VERSION,

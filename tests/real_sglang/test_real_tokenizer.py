@@ -21,10 +21,10 @@ import math
 
 import numpy as np
 import pytest
+from free_ports import free_port  # tests/free_ports.py: safe beside other workers
 
 from megatron_gspo.data.stop_strings import cut_at_stop_string
 from megatron_gspo.rollout.types import GenerateRequest
-from megatron_gspo.weight_sync import free_port
 
 from .server import SKIP_REASON, export_model, server_model_config, sglang_python, start_server
 

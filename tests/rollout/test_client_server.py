@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -17,6 +16,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import numpy as np
 import pytest
 import requests
+from free_ports import free_port  # tests/free_ports.py: safe beside other workers
 
 from megatron_gspo.rollout.embedded import EmbeddedEngine
 from megatron_gspo.rollout.server import EmbeddedServer
@@ -246,14 +246,8 @@ def test_least_in_flight_balancing_uses_every_server(model_config):
             server.close()
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
 def test_dead_server_gives_error_naming_the_url(model_config):
-    url = f"http://127.0.0.1:{_free_port()}"
+    url = f"http://127.0.0.1:{free_port()}"
     client = _client(model_config, [url], max_retries=1)
     with pytest.raises(RolloutEngineError, match=f"{url}/generate: failed after 2 attempts"):
         client.generate(_requests(1))

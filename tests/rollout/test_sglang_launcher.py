@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import sys
 
 import pytest
+from free_ports import free_port  # tests/free_ports.py: safe beside other workers
 
 from megatron_gspo.config import SGLangConfig
 from megatron_gspo.rollout.auth import API_KEY_ENV, new_api_key
@@ -101,12 +101,6 @@ def test_releasing_memory_launches_with_the_memory_saver():
     assert command.count("--enable-memory-saver") == 1
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
 # As SGLang does, the stand-in reads its --config file and prints its arguments, the key among
 # them, to its log; it also prints its own command line (what every local user can read).
 FAKE_SGLANG = (
@@ -121,7 +115,7 @@ FAKE_SGLANG = (
 
 def test_the_key_goes_in_a_private_config_file_not_on_the_command_line(tmp_path, caplog):
     command = [sys.executable, "-c", FAKE_SGLANG, "--host", "127.0.0.1"]
-    command += ["--port", str(_free_port()), "--api-key", "s3cret-value"]
+    command += ["--port", str(free_port()), "--api-key", "s3cret-value"]
     server = SGLangServerProcess(command, str(tmp_path / "server.log"))
     assert server.api_key == "s3cret-value" and "s3cret-value" not in server.command
     with caplog.at_level("INFO", logger="megatron_gspo.rollout.sglang_launcher"):
@@ -156,7 +150,7 @@ def test_keys_sglang_cannot_take_are_refused():
 def test_child_server_becomes_healthy_and_serves(tmp_path):
     config = tiny_model_config()
     fields = {k: v for k, v in vars(config).items()}
-    port = _free_port()
+    port = free_port()
     command = [sys.executable, "-m", "megatron_gspo.rollout.server", "--host", "127.0.0.1"]
     command += ["--port", str(port), "--model-config", json.dumps(fields)]
     server = SGLangServerProcess(
@@ -188,7 +182,7 @@ def test_launched_server_dies_with_a_sigkilled_trainer(tmp_path):
     import psutil
 
     server_command = [sys.executable, "-c", "import time; time.sleep(600)"]
-    server_command += ["--host", "127.0.0.1", "--port", str(_free_port())]
+    server_command += ["--host", "127.0.0.1", "--port", str(free_port())]
     trainer_code = (
         "import sys, time\n"
         "from megatron_gspo.rollout.sglang_launcher import SGLangServerProcess\n"
