@@ -1,22 +1,31 @@
 #!/usr/bin/env python
-"""The CPU tool-use task trained synchronously and one step off-policy: the two reward curves.
+"""The CPU tool-use task trained synchronously and one step off-policy: the reward curves over
+seeds, and the paired difference.
 
-    python tools/agentic_async_curve.py --out docs/agentic_async
+    python tools/agentic_async_curve.py --out docs/agentic_async --seeds 3
 
-Runs ``python -m megatron_gspo.train --preset cpu_tool_use`` twice with the same seed (the
-calculator unconfined, ``env.options.isolation=none``; the sandbox does not change the numbers):
+Runs ``python -m megatron_gspo.train --preset cpu_tool_use`` twice per seed (the calculator
+unconfined, ``env.options.isolation=none``; the sandbox does not change the numbers):
 
 * ``sync``: the preset as it is (``rollout.max_staleness=0``);
 * ``async``: ``rollout.max_staleness=1`` with the sequence-level correction toward the engine's
   per-token behaviour log-probs (``algo.rollout_correction.level=sequence``, what docs/async.md
   recommends for GSPO one step off-policy); the old log-probs are recomputed (the preset's).
 
-Both start from the same supervised cold start (the preset's 100 steps, the same seed: the same
-weights at RL step 0). Writes ``OUT/summary.json`` (every step's reward and tool metrics of both
-runs, the mean reward of the last ``--last`` steps, the wall time), ``OUT/summary.md`` (the table
-docs/agentic.md shows) and ``OUT/reward.png`` (both curves). The runs go to ``--runs DIR`` (``DIR/sync``, ``DIR/async``;
-default ``outputs/agentic_async``); ``--plot-only`` re-reads runs already made; ``--parallel``
-runs the two at once.
+``--seeds N`` runs the seeds 1234 (the preset's), 1235, ... (``--seed-list`` names them); both
+variants of a seed start from the same supervised cold start (the preset's 100 steps: the same
+weights at RL step 0), so the two runs of a seed form a pair. The default, ``--seeds 1``, is the
+preset's seed alone.
+
+Writes ``OUT/summary.json`` (per variant and seed every step's reward and tool metrics, the mean
+reward of the last ``--last`` steps, the area under the reward curve, the wall time; per variant
+their means over seeds with a 95% interval; the paired difference async - sync per seed with its
+interval: ``tools/compare_statistics.py``), ``OUT/summary.md`` (the tables docs/agentic.md
+shows) and ``OUT/reward.png`` (each variant's mean curve, with its 95% band over seeds). The
+runs go to ``--runs DIR`` (``DIR/seed_S/sync``, ``DIR/seed_S/async``; default
+``outputs/agentic_async``); ``--plot-only`` re-reads runs already made, ``--reuse`` runs only
+the runs the tool has not finished before; ``--parallel`` runs a seed's two variants at once
+(the seeds one after the other).
 """
 
 from __future__ import annotations
@@ -29,6 +38,13 @@ import sys
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # also when loaded by path (tests)
+from compare_statistics import (  # noqa: E402
+    mean_interval,
+    paired_difference,
+    reward_curve_statistics,
+)
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
 COMMON = ["--preset", "cpu_tool_use", "env.options.isolation=none", "logging.progress_bar=false"]
@@ -36,6 +52,10 @@ VARIANTS = {
     "sync": [],
     "async": ["rollout.max_staleness=1", "algo.rollout_correction.level=sequence"],
 }
+BASELINE = "sync"
+# The preset does not set ``seed``: TrainConfig's default (tests/tools checks they agree), so
+# ``--seeds 1`` is the preset's own run.
+PRESET_SEED = 1234
 KEYS = (
     "reward_mean",
     "env/tool_success_frac",
@@ -43,6 +63,8 @@ KEYS = (
     "staleness_mean",
     "partial_sample_frac",
 )
+# A finished run's record (its wall time and command), written by the tool after the run.
+RUN_RECORD = "run.json"
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -56,18 +78,37 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         "--runs",
         type=Path,
         default=REPO_ROOT / "outputs" / "agentic_async",
-        help="the runs' output directories (DIR/sync, DIR/async)",
+        help="the runs' output directories (DIR/seed_S/sync, DIR/seed_S/async)",
     )
+    seeds = parser.add_mutually_exclusive_group()
+    seeds.add_argument(
+        "--seeds", type=int, default=1, help=f"seeds {PRESET_SEED}, {PRESET_SEED + 1}, ..."
+    )
+    seeds.add_argument("--seed-list", type=int, nargs="+", default=None, help="these seeds")
     parser.add_argument("--steps", type=int, default=None, help="RL steps (default: the preset's)")
     parser.add_argument("--last", type=int, default=10, help="steps of the final mean reward")
     parser.add_argument("--every", type=int, default=3, help="table rows every this many steps")
-    parser.add_argument("--parallel", action="store_true", help="run both variants at once")
+    parser.add_argument("--parallel", action="store_true", help="run a seed's variants at once")
     parser.add_argument("--plot-only", action="store_true", help="only read the runs in --runs")
-    parser.add_argument("overrides", nargs="*", help="more key=value overrides for both runs")
-    return parser.parse_args(argv)
+    parser.add_argument(
+        "--reuse", action="store_true", help="skip the runs this tool already finished in --runs"
+    )
+    parser.add_argument("overrides", nargs="*", help="more key=value overrides for every run")
+    args = parser.parse_args(argv)
+    if args.seed_list is None:
+        if args.seeds < 1:
+            parser.error("--seeds must be at least 1")
+        args.seed_list = [PRESET_SEED + index for index in range(args.seeds)]
+    if len(set(args.seed_list)) != len(args.seed_list):
+        parser.error(f"--seed-list repeats a seed: {args.seed_list}")
+    return args
 
 
-def command(variant: str, output_dir: Path, args: argparse.Namespace) -> list[str]:
+def run_directory(runs: Path, seed: int, variant: str) -> Path:
+    return runs / f"seed_{seed}" / variant
+
+
+def command(variant: str, seed: int, output_dir: Path, args: argparse.Namespace) -> list[str]:
     steps = [] if args.steps is None else [f"steps={args.steps}"]
     return [
         sys.executable,
@@ -76,87 +117,215 @@ def command(variant: str, output_dir: Path, args: argparse.Namespace) -> list[st
         *COMMON,
         *VARIANTS[variant],
         *steps,
-        *args.overrides,
+        f"seed={seed}",
+        *args.overrides,  # after seed=: an explicit override wins
         "overwrite_output_dir=true",
         f"output_dir={output_dir}",
     ]
 
 
-def run_variants(args: argparse.Namespace, runs: Path) -> dict[str, float]:
-    """Run both variants (one after the other, or ``--parallel``); their wall seconds."""
-    runs.mkdir(parents=True, exist_ok=True)
+def run_seed(args: argparse.Namespace, seed: int) -> None:
+    """Run one seed's variants (one after the other, or ``--parallel``); each finished run
+    leaves its :data:`RUN_RECORD` (wall seconds, command) beside its metrics."""
     environment = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
-    started, processes, walls = {}, {}, {}
+    pending = {}
     for variant in VARIANTS:
-        log = (runs / f"{variant}.log").open("w")
-        started[variant] = time.time()
-        processes[variant] = subprocess.Popen(
-            command(variant, runs / variant, args),
-            cwd=REPO_ROOT,
-            env=environment,
-            stdout=log,
-            stderr=subprocess.STDOUT,
+        directory = run_directory(args.runs, seed, variant)
+        if args.reuse and (directory / RUN_RECORD).exists():
+            continue
+        directory.parent.mkdir(parents=True, exist_ok=True)
+        arguments = command(variant, seed, directory, args)
+        log = (directory.parent / f"{variant}.log").open("w")
+        process = subprocess.Popen(
+            arguments, cwd=REPO_ROOT, env=environment, stdout=log, stderr=subprocess.STDOUT
         )
+        pending[variant] = (process, time.time(), arguments)
         if not args.parallel:
-            walls[variant] = wait(processes[variant], variant, runs) - started[variant]
-    while len(walls) < len(processes):  # --parallel: each run's own end
-        for variant, process in processes.items():
-            if variant not in walls and process.poll() is not None:
-                walls[variant] = wait(process, variant, runs) - started[variant]
+            finish(variant, seed, *pending.pop(variant), args.runs)
+    while pending:  # --parallel: each run's own end
+        for variant in [v for v, (process, _, _) in pending.items() if process.poll() is not None]:
+            finish(variant, seed, *pending.pop(variant), args.runs)
         time.sleep(1.0)
-    return walls
 
 
-def wait(process: subprocess.Popen, variant: str, runs: Path) -> float:
+def finish(
+    variant: str,
+    seed: int,
+    process: subprocess.Popen,
+    started: float,
+    arguments: list[str],
+    runs: Path,
+) -> None:
+    directory = run_directory(runs, seed, variant)
     if process.wait() != 0:
-        raise SystemExit(f"the {variant} run failed ({process.returncode}): {runs / variant}.log")
-    return time.time()
+        raise SystemExit(
+            f"the {variant} run of seed {seed} failed ({process.returncode}): "
+            f"{directory.parent / variant}.log"
+        )
+    record = {"wall_s": time.time() - started, "command": arguments[1:]}
+    (directory / RUN_RECORD).write_text(json.dumps(record, indent=1) + "\n")
 
 
 def read_records(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def summarize(records: dict[str, list[dict]], last: int) -> dict:
-    """Per variant: every step's :data:`KEYS`, and the mean reward of the last ``last`` steps
-    (and of the first step: the cold start's, before any RL update)."""
-    summary = {}
-    for variant, rows in records.items():
-        final = rows[-last:]
-        summary[variant] = {
-            "steps": [{"step": r["step"], **{k: r[k] for k in KEYS if k in r}} for r in rows],
-            "reward_first": rows[0]["reward_mean"],
-            f"reward_mean_last_{last}": sum(r["reward_mean"] for r in final) / len(final),
-            "reward_last": rows[-1]["reward_mean"],
+def summarize_run(rows: list[dict], last: int) -> dict:
+    """One run: every step's :data:`KEYS`, the reward of the first step (the cold start's,
+    before any RL update), the mean reward of the last ``last`` steps, and the area under the
+    reward curve per step (``reward_auc``: how much reward the run earned on its way)."""
+    final = rows[-last:]
+    rewards = [r["reward_mean"] for r in rows]
+    # Only the area is used: the threshold and the collapse drop do not enter it.
+    curve = reward_curve_statistics(rewards, threshold=1.0, collapse_drop=1.0)
+    return {
+        "steps": [{"step": r["step"], **{k: r[k] for k in KEYS if k in r}} for r in rows],
+        "reward_first": rewards[0],
+        f"reward_mean_last_{last}": sum(r["reward_mean"] for r in final) / len(final),
+        "reward_last": rewards[-1],
+        "reward_auc": curve["reward_auc"],
+    }
+
+
+def statistics_keys(last: int) -> tuple[str, ...]:
+    return ("reward_first", f"reward_mean_last_{last}", "reward_auc")
+
+
+def summarize(records: dict[str, dict[int, list[dict]]], last: int) -> dict:
+    """``records``: per variant, per seed, the run's metrics rows. Per variant each seed's
+    :func:`summarize_run` and their means over seeds (95% Student-t intervals); the paired
+    difference of each variant from :data:`BASELINE` over the seeds both have."""
+    keys = statistics_keys(last)
+    summary: dict = {"last": last, "seeds": [], "variants": {}, "paired": {}}
+    per_seed: dict[str, dict[int, dict]] = {}
+    for variant, by_seed in records.items():
+        per_seed[variant] = {seed: summarize_run(rows, last) for seed, rows in by_seed.items()}
+        summary["variants"][variant] = {
+            "per_seed": {str(seed): values for seed, values in per_seed[variant].items()},
+            **{key: mean_interval([v[key] for v in per_seed[variant].values()]) for key in keys},
+        }
+    summary["seeds"] = sorted(set().union(*(set(by_seed) for by_seed in records.values())))
+    for variant in records:
+        if variant == BASELINE or BASELINE not in records:
+            continue
+        summary["paired"][f"{variant} - {BASELINE}"] = {
+            key: paired_difference(
+                {seed: values[key] for seed, values in per_seed[variant].items()},
+                {seed: values[key] for seed, values in per_seed[BASELINE].items()},
+            )
+            for key in keys
         }
     return summary
 
 
-def markdown(summary: dict, last: int, every: int) -> str:
-    variants = list(summary)
+def mean_curves(summary: dict, key: str) -> dict[str, dict[int, dict]]:
+    """Per variant, per step: ``key``'s mean over the seeds with its interval."""
+    curves = {}
+    for variant, data in summary["variants"].items():
+        by_step: dict[int, list[float]] = {}
+        for values in data["per_seed"].values():
+            for row in values["steps"]:
+                if key in row:
+                    by_step.setdefault(row["step"], []).append(row[key])
+        curves[variant] = {step: mean_interval(by_step[step]) for step in sorted(by_step)}
+    return curves
+
+
+def interval_text(interval: dict, digits: int = 3) -> str:
+    if interval["mean"] is None:
+        return "n/a"
+    if interval["low"] is None:
+        return f"{interval['mean']:.{digits}f} (n={interval['n']})"
+    return f"{interval['mean']:.{digits}f} [{interval['low']:.{digits}f}, {interval['high']:.{digits}f}]"
+
+
+def verdict(difference: dict) -> str:
+    """What the paired interval of ``async - sync`` says, in words."""
+    if difference["excludes_zero"] is None:
+        return "one seed: no interval, so no conclusion"
+    if difference["low"] > 0:
+        return "async above sync (the interval excludes zero)"
+    if difference["high"] < 0:
+        return "async below sync (the interval excludes zero)"
+    return (
+        f"no difference detected: the interval contains zero; async is at most "
+        f"{-difference['low']:.3f} below sync at 95%"
+    )
+
+
+def markdown(summary: dict, every: int) -> str:
+    """The mean curves every ``every`` steps, the per-seed values, and the statistics over
+    seeds with the paired difference."""
+    last = summary["last"]
+    final_key = f"reward_mean_last_{last}"
+    variants = list(summary["variants"])
+    rewards = mean_curves(summary, "reward_mean")
+    tools = mean_curves(summary, "env/tool_success_frac")
+    seeds = summary["seeds"]
     lines = [
+        f"Seeds {seeds}; values are means over the seeds (n={len(seeds)}).",
+        "",
         "| step | " + " | ".join(f"{v} reward_mean | {v} tool_success" for v in variants) + " |",
         "|---:|" + "---:|---:|" * len(variants),
     ]
-    rows = {v: {r["step"]: r for r in summary[v]["steps"]} for v in variants}
-    steps = sorted(set.intersection(*(set(r) for r in rows.values())))
-    chosen = [s for s in steps if s % every == 0 or s == steps[-1]]
-    for step in chosen:
+    steps = sorted(set.intersection(*(set(rewards[v]) for v in variants)))
+    for step in [s for s in steps if s % every == 0 or s == steps[-1]]:
         cells = []
         for variant in variants:
-            row = rows[variant][step]
-            cells.append(f"{row['reward_mean']:.3f} | {row.get('env/tool_success_frac', 0.0):.3f}")
+            tool = tools[variant].get(step, {"mean": 0.0})["mean"]
+            cells.append(f"{rewards[variant][step]['mean']:.3f} | {tool:.3f}")
         lines.append(f"| {step} | " + " | ".join(cells) + " |")
-    lines.append("")
+    lines += [
+        "",
+        f"Per seed: the mean reward of the last {last} steps and the area under the reward "
+        "curve per step (AUC).",
+        "",
+        "| seed | "
+        + " | ".join(f"{v} last {last} | {v} AUC" for v in variants)
+        + "".join(f" | {name} last {last}" for name in summary["paired"])
+        + " |",
+        "|---:|" + "---:|---:|" * len(variants) + "---:|" * len(summary["paired"]),
+    ]
+    for seed in seeds:
+        cells = []
+        values = {v: summary["variants"][v]["per_seed"].get(str(seed)) for v in variants}
+        for variant in variants:
+            if values[variant] is None:
+                cells.append("n/a | n/a")
+            else:
+                cells.append(
+                    f"{values[variant][final_key]:.3f} | {values[variant]['reward_auc']:.3f}"
+                )
+        for name in summary["paired"]:
+            first, second = (values[v] for v in name.split(" - "))
+            present = first is not None and second is not None
+            cells.append(f"{first[final_key] - second[final_key]:+.3f}" if present else "n/a")
+        lines.append(f"| {seed} | " + " | ".join(cells) + " |")
+    lines += [
+        "",
+        "Over the seeds: mean [95% Student-t interval]; the paired difference is taken seed by "
+        "seed (the same seed's runs share their cold start).",
+        "",
+        f"| | reward at step 0 | reward, last {last} steps | reward AUC |",
+        "|---|---:|---:|---:|",
+    ]
     for variant in variants:
-        lines.append(
-            f"- `{variant}`: reward {summary[variant]['reward_first']:.3f} at step 0, "
-            f"{summary[variant][f'reward_mean_last_{last}']:.3f} over the last {last} steps"
-        )
+        data = summary["variants"][variant]
+        cells = [interval_text(data[key]) for key in statistics_keys(last)]
+        lines.append(f"| `{variant}` | " + " | ".join(cells) + " |")
+    for name, differences in summary["paired"].items():
+        cells = [interval_text(differences[key]) for key in statistics_keys(last)]
+        lines.append(f"| `{name}` (paired) | " + " | ".join(cells) + " |")
+    lines.append("")
+    for name, differences in summary["paired"].items():
+        lines.append(f"- `{name}`, last {last} steps: {verdict(differences[final_key])}")
+        lines.append(f"- `{name}`, reward AUC: {verdict(differences['reward_auc'])}")
     return "\n".join(lines) + "\n"
 
 
 def plot(summary: dict, path: Path) -> None:
+    """Each variant's mean curve over the seeds, with its 95% interval as a band (none with
+    one seed)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -165,14 +334,27 @@ def plot(summary: dict, path: Path) -> None:
     keys = ("reward_mean", "env/tool_success_frac")
     figure, axes = plt.subplots(1, len(keys), figsize=(5.0 * len(keys), 3.4), squeeze=False)
     for axis, key in zip(axes[0], keys):
-        for variant, data in summary.items():
-            rows = [r for r in data["steps"] if key in r]
-            axis.plot([r["step"] for r in rows], [r[key] for r in rows], marker=".", label=variant)
+        for variant, curve in mean_curves(summary, key).items():
+            steps = list(curve)
+            line = axis.plot(steps, [curve[s]["mean"] for s in steps], marker=".", label=variant)
+            banded = [s for s in steps if curve[s]["low"] is not None]
+            if banded:
+                axis.fill_between(
+                    banded,
+                    [curve[s]["low"] for s in banded],
+                    [curve[s]["high"] for s in banded],
+                    color=line[0].get_color(),
+                    alpha=0.2,
+                )
         axis.set_xlabel("RL step")
         axis.set_title(key)
         axis.grid(alpha=0.3)
         axis.legend()
-    figure.suptitle("cpu_tool_use: synchronous against max_staleness=1")
+    seeds = len(summary["seeds"])
+    band = ", 95% band" if seeds > 1 else ""
+    figure.suptitle(
+        f"cpu_tool_use: synchronous against max_staleness=1 (mean of {seeds} seeds{band})"
+    )
     figure.tight_layout()
     figure.savefig(path, dpi=110)
     plt.close(figure)
@@ -180,15 +362,26 @@ def plot(summary: dict, path: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
-    runs = args.runs
-    walls = {} if args.plot_only else run_variants(args, runs)
-    records = {variant: read_records(runs / variant / "metrics.jsonl") for variant in VARIANTS}
+    if not args.plot_only:
+        for seed in args.seed_list:
+            run_seed(args, seed)
+    records = {
+        variant: {
+            seed: read_records(run_directory(args.runs, seed, variant) / "metrics.jsonl")
+            for seed in args.seed_list
+        }
+        for variant in VARIANTS
+    }
     summary = summarize(records, args.last)
-    for variant, seconds in walls.items():
-        summary[variant]["wall_s"] = seconds
+    for variant in VARIANTS:
+        for seed in args.seed_list:
+            record = run_directory(args.runs, seed, variant) / RUN_RECORD
+            if record.exists():  # runs made by this tool; none for runs made otherwise
+                wall = json.loads(record.read_text())["wall_s"]
+                summary["variants"][variant]["per_seed"][str(seed)]["wall_s"] = wall
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
-    table = markdown(summary, args.last, args.every)
+    table = markdown(summary, args.every)
     (args.out / "summary.md").write_text(table)
     plot(summary, args.out / "reward.png")
     print(table)

@@ -23,7 +23,8 @@ class AgentConfig:
     function: Optional[str] = None
     """Import path ``package.module:function`` of the agent, called as ``function(session)``
     with an ``AgentSession`` (base_url, api_key, headers, the prompt) and returning a float
-    reward; null: no agent."""
+    reward, to which reward.functions' weighted score of the episode is added when any are set;
+    null: no agent."""
     max_turns: int = 8
     """Most model calls of an episode (verl's multi_turn.max_assistant_turns); a later request
     of the session is refused (409) and the episode is truncated."""

@@ -255,12 +255,14 @@ class AlgoConfig:
     routing_replay_weights: str = "recompute"
     """What a replayed route keeps of the recorded routing: recompute (replay the expert ids and
     take their weights from the router being trained, so the router keeps its gradient:
-    Megatron's RouterReplay, verl and slime) or replayed (replay the ids and the weights the old
-    policy's forward gave them, constants: the MoE layers compute exactly what the old forward
+    Megatron's RouterReplay, verl and slime) or replayed (replay the ids and the combine weights
+    recorded with them, constants: the MoE layers compute exactly what the recorded forward
     computed where the rest of the model agrees, and the router gets no gradient from the
-    policy loss). replayed needs routing_replay=r2: the rollout engines report expert ids only
-    (the route format, SGLang's return_routed_experts), so R3 cannot replay the engine's
-    weights. Logged as routing_replay_weights_replayed (1 or 0) on every replayed step."""
+    policy loss). With r2 the weights are those the old-log-prob forward recorded; with r3 those
+    the rollout engine's routers gave (the engine's routing exactly, in the old-log-prob and
+    training forwards): only rollout.engine=embedded reports them (SGLang's
+    return_routed_experts returns expert ids only). Logged as routing_replay_weights_replayed
+    (1 or 0) on every replayed step."""
     log_routing_change: bool = True
     """MoE: measure expert volatility on every mini-batch, ``routing_change_frac`` (share of
     (loss token, MoE layer) pairs whose top-k set under the weights being trained differs from
@@ -339,13 +341,13 @@ class AlgoConfig:
             ROUTING_REPLAY_WEIGHTS,
             "a replayed route's weights are recomputed from the current router or replayed",
         )
-        if self.routing_replay_weights == "replayed" and self.routing_replay != "r2":
+        if self.routing_replay_weights == "replayed" and self.routing_replay == "none":
             raise ConfigError(
                 "algo.routing_replay_weights",
-                f"replayed with routing_replay={self.routing_replay!r}",
-                "only R2's routes come with weights (recorded by the training engine's "
-                "old-log-prob forward); the rollout engines report expert ids only",
-                "set algo.routing_replay=r2, or algo.routing_replay_weights=recompute",
+                "replayed with routing_replay='none'",
+                "weights are replayed with replayed routes: R2's (recorded by the training "
+                "engine's old-log-prob forward) or R3's (reported by the embedded engine)",
+                "set algo.routing_replay=r2 or r3, or algo.routing_replay_weights=recompute",
             )
         check_choice(
             "algo.advantage_level",

@@ -221,6 +221,10 @@ class DataConfig:
                 )
 
 
+TURN_SCHEDULINGS = ("lockstep", "independent")
+"""``env.turn_scheduling``: when a trajectory's next turn goes to the engine."""
+
+
 @dataclass
 class EnvConfig:
     """Multi-turn rollouts in an environment (docs/agentic.md): the model's turns alternate with
@@ -241,10 +245,24 @@ class EnvConfig:
     after the prompt, is algo.response_length."""
     num_workers: int = 4
     """Environment steps (tool calls) running at the same time, in threads of the driver."""
+    turn_scheduling: str = "lockstep"
+    """How episodes take turns (docs/agentic.md, "Turn scheduling"). lockstep: every engine call
+    holds one turn of every live trajectory, and the next call waits for all of their
+    environment steps (a slow tool call holds up every episode). independent: each trajectory
+    goes on as soon as its own step is done; whenever the engine is free it gets one call with
+    every trajectory that is ready, while the other steps run (verl's agent loop, slime,
+    SkyRL, AReaL). Seeds are per (prompt, sample, turn) in both, so with a batch-invariant
+    engine both make the same trajectories."""
 
     def __post_init__(self) -> None:
         check_positive("env.max_turns", self.max_turns)
         check_positive("env.num_workers", self.num_workers)
+        check_choice(
+            "env.turn_scheduling",
+            self.turn_scheduling,
+            TURN_SCHEDULINGS,
+            "episodes advance all together (lockstep) or each on its own (independent)",
+        )
         if self.max_tokens_per_turn is not None:
             check_positive("env.max_tokens_per_turn", self.max_tokens_per_turn)
         if self.options and self.name is None:
@@ -421,6 +439,16 @@ class TrainConfig:
             self.rollout.engine != "sglang" or self.rollout.sglang.return_routes
         )
 
+    @property
+    def requests_rollout_route_weights(self) -> bool:
+        """Whether rollouts also return the combine weights of the engine's routes: R3 with
+        ``algo.routing_replay_weights=replayed``, which replays them (the embedded engine)."""
+        return (
+            self.requests_rollout_routes
+            and self.algo.routing_replay == "r3"
+            and self.algo.routing_replay_weights == "replayed"
+        )
+
     def _check_retokenization(self) -> None:
         """``rollout.retokenize_responses`` against the rest, every problem at once (the
         tokenizer's kind is a start-up check: it needs the tokenizer loaded)."""
@@ -492,6 +520,16 @@ class TrainConfig:
                 "per-turn samples without an agent",
                 "they split the agent's episodes, which agent.function runs",
                 "set agent.function, or remove agent.per_turn_samples",
+            )
+        if agent.function is not None and self.rollout.producer_processes:
+            raise ConfigError(
+                "rollout.producer_processes",
+                f"producer_processes={self.rollout.producer_processes} with agent.function",
+                "an agent's episodes run in the trainer's driver, behind its chat endpoint; "
+                "producer processes make environments' episodes and single completions only, so "
+                "they would not run the agent",
+                "set rollout.producer_processes=0 (agents run with rollout.max_staleness >= 1 "
+                "in the trainer's background producer)",
             )
         if agent.per_turn_samples and (
             self.algo.dynamic_sampling or self.rollout.max_staleness >= 1
@@ -624,4 +662,20 @@ class TrainConfig:
                 "algo.routing_replay",
                 "r3 with SGLang needs servers started with --enable-return-routed-experts and no "
                 "router that drops return_routed_experts (sglang-router 0.3.2 does)",
+            )
+        if (
+            algo.routing_replay == "r3"
+            and algo.routing_replay_weights == "replayed"
+            and self.rollout.engine != "embedded"
+            and self.rollout.replay_dir is None
+        ):
+            raise ConfigError(
+                "algo.routing_replay_weights",
+                f"replayed with routing_replay=r3 and rollout.engine={self.rollout.engine}",
+                "R3 replays the rollout engine's combine weights, which only the in-process "
+                "embedded engine reports (SGLang's return_routed_experts returns expert ids "
+                "only, and the SGLang protocol that embedded_http speaks carries no weights)",
+                "set rollout.engine=embedded, or algo.routing_replay_weights=recompute (replay "
+                "the engine's ids, weights from the router being trained), or "
+                "algo.routing_replay=r2 (replay the old forward's ids and weights)",
             )

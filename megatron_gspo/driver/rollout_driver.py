@@ -98,7 +98,8 @@ class RolloutDriver(Driver):
         self.model_engines: dict[str, RolloutEngine] = (
             {} if replaying else build_role_engines(cfg, resources)
         )
-        # With an environment the reward functions are optional (it may score by itself).
+        # With an environment or an agent the reward functions are optional (they score by
+        # themselves; the functions' score is added to theirs).
         self.rewards: Optional[RewardRunner] = (
             resources.enter_context(
                 RewardRunner(cfg.reward, build_judge_backend(cfg, self.model_engines))
@@ -152,7 +153,7 @@ class RolloutDriver(Driver):
         sample) at ``sampling``'s settings."""
         if self.chat_endpoint is not None:
             settings = AgentSettings.from_config(self.cfg, self.task)
-            return AgentProducer(self.chat_endpoint, self.task, sampling, settings)
+            return AgentProducer(self.chat_endpoint, self.task, self.rewards, sampling, settings)
         if self.environment_factory is not None:
             return EnvironmentProducer(
                 self.rollout_engine,

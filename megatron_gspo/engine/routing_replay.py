@@ -26,12 +26,19 @@ The sample declares both kinds: ``TrainSample.rollout_routes`` from the rollout 
 replay picks its source by mode, R2 the old routes and R3 the rollout's; nothing is overwritten.
 
 Weights (``algo.routing_replay_weights``). ``recompute``: Megatron's replay, above (the combine
-weights of the replayed ids come from the router being trained). ``replayed`` (R2 only): the
-old-log-prob forward also records each token's combine weights (``TrainSample.
-old_route_weights``, gathered like the ids) and the training forwards use them as constants at
-the replayed ids (:func:`~megatron_gspo.engine.compat.replay_combine_weights`; the router then gets
-no gradient from the policy loss). ``routing_replay_weights_replayed`` (1 or 0) is logged on every
-replayed training pass.
+weights of the replayed ids come from the router being trained). ``replayed``: the replaying
+forwards use recorded combine weights as constants at the replayed ids
+(:func:`~megatron_gspo.engine.compat.replay_combine_weights`; the router then gets no gradient
+from the policy loss). Under R2 the old-log-prob forward records them (``TrainSample.
+old_route_weights``, gathered like the ids) and the training forwards replay them; under R3 they
+are the rollout engine's (``TrainSample.rollout_route_weights``: what the embedded engine's
+routers multiplied each expert's output by, reported beside the ids), replayed in the
+old-log-prob forward and in the training forwards, so that every forward routes exactly as the
+engine did. The weights are the final ones in either convention (after renormalisation and
+routed scaling), which the engine's routers (``rollout/route_forcing.py`` has their rules) and
+Megatron's share for the supported architectures: in float32 the engine's weights equal
+Megatron's recompute at the same ids to rounding. ``routing_replay_weights_replayed`` (1 or 0)
+is logged on every replayed training pass.
 
 Layout. The packer feeds exactly the ``L - 1`` input positions (``tokens[:-1]``: the last token
 predicts nothing), so the rollout engine's ``L - 1`` rows cover every input position and **no
@@ -90,6 +97,7 @@ from megatron_gspo.engine.parallel import ParallelState
 from megatron_gspo.samples import TrainSample
 from megatron_gspo.samples.routes import (
     balanced_pad_routes,
+    check_route_weights,
     check_routes,
     route_dtype,
     topk_sets_differ,
@@ -274,7 +282,7 @@ class PolicyRouting:
     ) -> list[torch.Tensor]:
         return [
             check_routes(
-                route,
+                self._filler_routes(sample) if _never_routed(sample, route) else route,
                 where=f"sample {index} (group {sample.group_id})",
                 num_positions=int(sample.tokens.numel()) - 1,
                 num_moe_layers=len(self.moe_layers),
@@ -285,25 +293,44 @@ class PolicyRouting:
             for index, (sample, route) in enumerate(zip(samples, routes))
         ]
 
+    def _filler_routes(self, sample: TrainSample) -> torch.Tensor:
+        """Routes for a sample out of the loss that never reached an engine (an episode aborted
+        before its first turn: the prompt and one masked token): any distinct experts, which
+        train nothing."""
+        positions = torch.arange(int(sample.tokens.numel()) - 1)
+        rows = balanced_pad_routes(positions, self.topk, self.num_experts)
+        layers = rows.unsqueeze(1).expand(-1, len(self.moe_layers), -1)
+        return layers.to(route_dtype(self.num_experts)).contiguous()
+
     def _validated_weights(
         self, samples: Sequence[TrainSample], routes: Sequence[torch.Tensor]
     ) -> list[torch.Tensor]:
-        weights = []
-        for index, (sample, route) in enumerate(zip(samples, routes)):
-            value = sample.old_route_weights
-            where = f"sample {index} (group {sample.group_id})"
-            if value is None:
-                raise RoutingReplayError(
-                    f"{where} has no old_route_weights: routing_replay_weights=replayed replays "
-                    "the weights recorded by forward_log_probs(record_routes=True)"
-                )
-            if value.shape != route.shape or not torch.isfinite(value).all():
-                raise RoutingReplayError(
-                    f"{where}: old_route_weights of shape {tuple(value.shape)} (finite: "
-                    f"{bool(torch.isfinite(value).all())}) do not fit routes {tuple(route.shape)}"
-                )
-            weights.append(value)
-        return weights
+        """The combine weights to replay with ``routes`` (the mode's): R2's recorded by the
+        old-log-prob forward, R3's reported by the rollout engine."""
+        if self.mode == "r2":
+            field = "old_route_weights"
+            source = (
+                "routing_replay_weights=replayed with r2 replays the weights recorded by "
+                "forward_log_probs(record_routes=True)"
+            )
+        else:
+            field = "rollout_route_weights"
+            source = (
+                "routing_replay_weights=replayed with r3 replays the rollout engine's weights: "
+                "request them (GenerateRequest.return_routed_expert_weights, the embedded engine)"
+            )
+        return [
+            check_route_weights(
+                # A sample that never reached an engine (filler routes) weighs its experts alike.
+                torch.full(route.shape, 1.0 / self.topk)
+                if _never_routed(sample, getattr(sample, field))
+                else getattr(sample, field),
+                where=f"sample {index} (group {sample.group_id}) {field}",
+                routes=route,
+                source=source,
+            )
+            for index, (sample, route) in enumerate(zip(samples, routes))
+        ]
 
     @contextmanager
     def old_policy_pass(
@@ -313,9 +340,11 @@ class PolicyRouting:
         *,
         record: bool,
     ) -> Iterator[Optional[RoutingPass]]:
-        """The old-log-prob forward: replays the rollout's routes under R3, records the native
-        routes when ``record`` (``RoutingPass.recorded`` once the pass has ended)."""
-        replay = None
+        """The old-log-prob forward: replays the rollout's routes under R3 (with the engine's
+        combine weights when they are replayed), records the native routes when ``record``
+        (``RoutingPass.recorded`` once the pass has ended; under R2 with replayed weights also
+        their weights, ``RoutingPass.recorded_weights``)."""
+        replay = replay_weights = None
         if self.mode == "r3":
             replay = self._validated(
                 samples,
@@ -323,6 +352,8 @@ class PolicyRouting:
                 "routing_replay=r3 replays the rollout engine's routes: request them "
                 "(GenerateRequest.return_routed_experts; SGLang --enable-return-routed-experts)",
             )
+            if self.replay_weights:
+                replay_weights = self._validated_weights(samples, replay)
         if replay is None and not record:
             yield None
             return
@@ -331,8 +362,10 @@ class PolicyRouting:
             samples,
             micro_batches,
             replay=replay,
+            replay_weights=replay_weights,
             record=record,
-            record_weights=record and self.replay_weights,
+            # R2 replays the weights this forward gives; R3 the engine's, which need no record.
+            record_weights=record and self.replay_weights and self.mode == "r2",
             backward=False,
         ) as routing_pass:
             yield routing_pass
@@ -360,7 +393,7 @@ class PolicyRouting:
                 samples, rollout_routes, "routing_replay=r3 replays the rollout's routes"
             )
         replay_weights = None
-        if self.mode == "r2" and self.replay_weights:
+        if replay is not None and self.replay_weights:
             replay_weights = self._validated_weights(samples, replay)
         old = rollout = None
         if self.measure:
@@ -628,3 +661,9 @@ class RoutingPass:
             )
             recorded.append(routes)
         return recorded
+
+
+def _never_routed(sample: TrainSample, recorded: Optional[torch.Tensor]) -> bool:
+    """A sample without recorded routes (or route weights) and without a token in the loss: an
+    episode aborted before the engine ran any of it, whose rows replay nothing that matters."""
+    return recorded is None and not bool(sample.loss_mask.any())

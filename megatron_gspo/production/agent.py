@@ -11,14 +11,21 @@ mostly waits for the endpoint and its tools). The session's recorded calls becom
   (the endpoint's token history; the model's tokens in the loss, the appended messages out),
   with the engine's log-probs, per-token weight versions and R3 routes (each route row from the
   call that first ran it, as :mod:`~megatron_gspo.production.episodes` does). An episode whose
-  agent rewrote its context between turns has no such sequence: it is kept out of the loss
-  (``agent/rewritten_episodes``);
+  agent rewrote its context between turns has no such sequence: it is kept out of the loss;
+  ``agent/rewritten_episodes`` counts such episodes (with per-turn samples too, which train
+  them);
 - one sample per model turn (``agent.per_turn_samples``): the call's input as the prompt, its
   output as the response, every sample of the episode with the episode's reward, its turn
   index in ``turns`` and the episode's key in ``metadata["episode"]``, which the advantage
   stage uses to count the episode once (``trainer/stages.py``).
 
-Reward: the agent function's return value (a finite number). An agent that raises, returns
+Reward: the agent function's return value (a finite number), plus the reward functions'
+weighted score when ``reward.functions`` (or a judge) is set, by the environments' rule
+(:func:`~megatron_gspo.production.scoring.score_responses`: failures score
+``reward.failure_reward`` and are counted). The functions see the episode's conversation as the
+model last saw it: the last call's input and output after the part it shares with the first
+call's input (the prompt); for an episode that never rewrote its context, that is its
+trajectory's response. Every sample of the episode gets the sum. An agent that raises, returns
 something else or makes no model call aborts its episode (finish reason ``abort``: out of the
 loss, a group of its own, ``agent/errors``). An episode the endpoint ended for its budget or
 turn limit is truncated (finish reason ``length``).
@@ -29,6 +36,7 @@ Seeds: the session of sample ``j`` of prompt ``i`` samples turn ``k`` with
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 import time
@@ -49,7 +57,9 @@ from megatron_gspo.production.producer import (
     finish_samples,
 )
 from megatron_gspo.production.sampling import Sampling
+from megatron_gspo.production.scoring import score_responses
 from megatron_gspo.production.task import Task
+from megatron_gspo.reward import RewardRunner
 from megatron_gspo.rollout import derive_seed
 from megatron_gspo.rollout.chat_endpoint import (
     SESSION_HEADER,
@@ -138,11 +148,13 @@ class AgentProducer(SampleProducer):
         self,
         endpoint: ChatEndpoint,
         task: Task,
+        rewards: Optional[RewardRunner],
         sampling: Sampling,
         settings: AgentSettings,
         function: Optional[AgentFunction] = None,
     ):
-        self.endpoint, self.task, self.sampling, self.settings = endpoint, task, sampling, settings
+        self.endpoint, self.task, self.rewards = endpoint, task, rewards
+        self.sampling, self.settings = sampling, settings
         self.group_size = sampling.group_size
         self.function = function or load_agent_function(settings.function)
         self._errors_logged = 0
@@ -165,10 +177,31 @@ class AgentProducer(SampleProducer):
             outcomes = list(pool.map(lambda episode: self._run(*episode), episodes))
         samples: list[TrainSample] = []
         counts = {"errors": 0, "rewritten": 0, "truncated": 0, "turns": 0, "rewrites": 0}
+        # Per episode that the reward functions score: its prompt, its view and its samples.
+        scored: list[tuple[Prompt, TrainSample, list[TrainSample]]] = []
         for (prompt, sample_index, session_id), outcome in zip(episodes, outcomes):
             session = self.endpoint.close_session(session_id)
-            samples += self._samples(prompt, sample_index, session, outcome, counts)
+            episode = self._samples(prompt, sample_index, session, outcome, counts)
+            samples += episode
+            # An aborted episode is out of the loss: scoring it would only spend reward calls.
+            if self.rewards is not None and episode[-1].finish_reason != "abort":
+                view = scoring_view(session.calls)
+                view.finish_reason = episode[-1].finish_reason
+                scored.append((prompt, view, episode))
         metrics: dict[str, float] = {}
+        scoring_started = time.perf_counter()
+        if scored:
+            scores, reward_metrics = score_responses(
+                self.rewards,
+                self.task.tokenizer,
+                [prompt for prompt, _, _ in scored],
+                [view for _, view, _ in scored],
+            )
+            for (_, _, episode), score in zip(scored, scores):
+                for sample in episode:
+                    sample.reward += score
+            metrics.update(reward_metrics)
+        scoring_seconds = time.perf_counter() - scoring_started
         if self.sampling.finish is not None:
             metrics.update(finish_samples(samples, self.sampling.finish))
         count = max(len(episodes), 1)
@@ -181,8 +214,8 @@ class AgentProducer(SampleProducer):
                 "agent/turns_mean": counts["turns"] / count,
                 "agent/samples_per_episode": len(samples) / count,
                 # Generation and the agents' own work overlap: the episodes' wall time.
-                "time/rollout_s": time.perf_counter() - started,
-                "time/reward_s": 0.0,
+                "time/rollout_s": scoring_started - started,
+                "time/reward_s": scoring_seconds,
             }
         )
         return ScoredSamples(samples, metrics)
@@ -199,6 +232,7 @@ class AgentProducer(SampleProducer):
             top_k=sampling.top_k,
             stop_token_ids=self.settings.stop_token_ids,
             return_routes=sampling.return_routes,
+            return_route_weights=sampling.return_route_weights,
         )
 
     def _run(self, prompt: Prompt, sample_index: int, session_id: str) -> Any:
@@ -248,6 +282,8 @@ class AgentProducer(SampleProducer):
             return [self._aborted(prompt, sample_index, calls)]
         reward = float(outcome)
         finish = "length" if truncated else "stop"
+        # Counted with per-turn samples too: it says the option is needed (and used).
+        counts["rewritten"] += bool(session.rewrites)
         if self.settings.per_turn_samples:
             key = f"{sample_index}:{session.session_id}"
             return [
@@ -255,7 +291,6 @@ class AgentProducer(SampleProducer):
                 for index, call in enumerate(calls)
             ]
         if session.rewrites:
-            counts["rewritten"] += 1
             return [self._aborted(prompt, sample_index, calls)]
         sample = trajectory_sample(calls, len(calls[0].input_ids))
         sample.group_id, sample.reward, sample.finish_reason = prompt.group_id, reward, finish
@@ -279,6 +314,10 @@ class AgentProducer(SampleProducer):
         sample.rollout_weight_versions = _versions(result)
         if result.routed_experts is not None:
             sample.rollout_routes = torch.from_numpy(np.asarray(result.routed_experts))
+        if result.routed_expert_weights is not None:
+            sample.rollout_route_weights = torch.from_numpy(
+                np.asarray(result.routed_expert_weights)
+            )
         sample.turns = torch.full((len(output),), index, dtype=torch.int16)
         # The episode's reward counts at its last turn (reward-to-go: every turn gets it).
         sample.turn_rewards = torch.zeros(num_turns, dtype=torch.float64)
@@ -289,11 +328,18 @@ class AgentProducer(SampleProducer):
         return sample
 
     def _aborted(self, prompt: Prompt, sample_index: int, calls: list[ModelCall]) -> TrainSample:
-        if calls and all(call.appended for call in calls):
-            sample = trajectory_sample(calls, len(calls[0].input_ids))
+        """A sample out of the loss that the trainer still takes: every trained sample needs a
+        response token, masked or not (``engine/batches.py``)."""
+        # The calls up to the first rewrite form one sequence (the first call always does).
+        appended = list(itertools.takewhile(lambda call: call.appended, calls))
+        if appended:
+            sample = trajectory_sample(appended, len(appended[0].input_ids))
         else:
-            sample = _sample_of(list(prompt.prompt_ids), len(prompt.prompt_ids))
-            sample.rollout_log_probs = torch.zeros(0)
+            # No model call: one masked placeholder token (EOS where there is one) after the
+            # prompt.
+            filler = (self.task.stop_token_ids or [prompt.prompt_ids[-1]])[0]
+            sample = _sample_of([*prompt.prompt_ids, int(filler)], len(prompt.prompt_ids))
+            sample.rollout_log_probs = torch.zeros(1)
         sample.loss_mask = torch.zeros(sample.response_length, dtype=torch.bool)
         sample.group_id = aborted_group_id(sample_index)
         sample.finish_reason = "abort"
@@ -327,6 +373,18 @@ def _versions(result: Any) -> torch.Tensor:
     return torch.full((len(result.output_ids),), int(result.weight_version), dtype=torch.int64)
 
 
+def scoring_view(calls: Sequence[ModelCall]) -> TrainSample:
+    """An episode as the reward functions see it: the last call's input and output, the part
+    they share with the first call's input as the prompt. Without rewrites that is the
+    trajectory's prompt and response; after one, the conversation as the model last saw it."""
+    first, last = calls[0].input_ids, calls[-1]
+    tokens = list(last.input_ids) + list(last.result.output_ids)
+    shared = 0
+    while shared < min(len(first), len(tokens)) and first[shared] == tokens[shared]:
+        shared += 1
+    return _sample_of(tokens, shared)
+
+
 def trajectory_sample(calls: Sequence[ModelCall], prompt_length: int) -> TrainSample:
     """The one sequence of an episode whose every call extended the previous one: the last
     call's input and output; model tokens in the loss with the engine's log-probs, versions and
@@ -338,7 +396,7 @@ def trajectory_sample(calls: Sequence[ModelCall], prompt_length: int) -> TrainSa
     log_probs = torch.zeros(length, dtype=torch.float32)
     turns = torch.full((length,), -1, dtype=torch.int16)
     versions = torch.full((length,), int(calls[0].result.weight_version), dtype=torch.int64)
-    chunks, covered = [], 0
+    chunks, weight_chunks, covered = [], [], 0
     for index, call in enumerate(calls):
         start = len(call.input_ids) - prompt_length
         end = start + len(call.result.output_ids)
@@ -350,6 +408,9 @@ def trajectory_sample(calls: Sequence[ModelCall], prompt_length: int) -> TrainSa
             # Rows of the call's input and new tokens but the last; keep the uncovered ones.
             rows = len(call.input_ids) + len(call.result.output_ids) - 1
             chunks.append(np.asarray(call.result.routed_experts)[covered:rows])
+            if call.result.routed_expert_weights is not None:
+                # The weights of the same rows, in the ids' order (R3 with replayed weights).
+                weight_chunks.append(np.asarray(call.result.routed_expert_weights)[covered:rows])
             covered = max(covered, rows)
     sample = _sample_of(tokens, prompt_length)
     sample.loss_mask, sample.rollout_log_probs = mask, log_probs
@@ -358,4 +419,11 @@ def trajectory_sample(calls: Sequence[ModelCall], prompt_length: int) -> TrainSa
     sample.weight_version = int(versions[mask].min()) if bool(mask.any()) else 0
     if chunks:
         sample.rollout_routes = torch.from_numpy(np.concatenate(chunks, axis=0))
+    if weight_chunks:
+        if len(weight_chunks) != len(chunks):
+            raise ValueError(
+                f"{len(weight_chunks)} calls of an episode reported route weights, {len(chunks)} "
+                "reported routes; every call must report both"
+            )
+        sample.rollout_route_weights = torch.from_numpy(np.concatenate(weight_chunks, axis=0))
     return sample

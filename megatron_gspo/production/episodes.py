@@ -1,11 +1,30 @@
-"""Multi-turn rollouts: an environment's episodes, batched across trajectories turn by turn.
+"""Multi-turn rollouts: an environment's episodes, their turns batched across trajectories.
 
 :class:`EnvironmentProducer` is a :class:`~megatron_gspo.production.producer.SampleProducer`.
-For a list of prompts it runs ``group_size`` episodes per prompt; every turn it sends one request
-per live trajectory to the rollout engine (its whole context as token ids, one batch), then lets
-the environments answer the turns (in ``env.num_workers`` threads: tool calls run concurrently).
-How it samples is a :class:`~megatron_gspo.production.sampling.Sampling`; its environment and
-the environment's limits are an :class:`EpisodeSettings`.
+For a list of prompts it runs ``group_size`` episodes per prompt: each engine call holds one
+request per trajectory ready for a turn (its whole context as token ids), and each turn the
+engine returns goes to the environments at once (``env.num_workers`` threads: tool calls run
+concurrently, and beside the engine's next call). How it samples is a
+:class:`~megatron_gspo.production.sampling.Sampling`; its environment and the environment's
+limits are an :class:`EpisodeSettings`.
+
+Turn scheduling (``env.turn_scheduling``), one loop for both: one engine call at a time, with
+every trajectory ready for its next turn; then the loop waits for environment steps:
+
+- ``lockstep`` (default) waits for every step in flight, so every call holds one turn of every
+  live trajectory, turn 0 of all, then turn 1 of all, ...: a slow tool call holds up every
+  episode, and the engine idles while the tools run;
+- ``independent`` waits for at least one, so a trajectory goes on as soon as its own step is
+  done and a slow tool call holds up only its own episode (verl's agent loop, slime, SkyRL and
+  AReaL run episodes this way). Which call a turn lands in depends on the timing of the steps;
+  what the turn is does not (its seed, below), so with a batch-invariant engine (the embedded
+  engine at ``rollout.embedded_max_batch_size=1``) both schedules make the same trajectories.
+
+A weight sync lands between two engine calls or, with partial rollouts, inside one (the engine
+pauses the call in place): either way each token keeps the version and log-prob of the forward
+that sampled it and its routes, per trajectory, whichever other trajectories shared its calls.
+An aborted turn (the engine aborted its call: the run is stopping) aborts its trajectory, and
+the producer then starts no more turns: the trajectories still running are aborted too.
 
 A trajectory is the exact token sequence the engine saw and produced::
 
@@ -22,7 +41,8 @@ A trajectory is the exact token sequence the engine saw and produced::
   the rows no earlier call covered. So a turn's tokens keep the routes they were generated
   with, and an observation's rows (with the row of the last token of the turn before it) come
   from the prefill of the next turn: every row exactly once, each from the call that first ran
-  it, never the last turn's routes for all;
+  it, never the last turn's routes for all; ``rollout_route_weights`` (R3 with replayed
+  weights) are taken from the same calls, rows and order as the ids;
 - ``turns`` (turn index per response token, -1 on observations) and ``turn_rewards`` (the
   environment's reward part per model turn).
 
@@ -49,7 +69,7 @@ import logging
 import math
 import time
 from collections.abc import Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ALL_COMPLETED, FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, Optional
@@ -75,8 +95,9 @@ from megatron_gspo.production.producer import (
     finish_samples,
 )
 from megatron_gspo.production.sampling import Sampling
+from megatron_gspo.production.scoring import score_responses
 from megatron_gspo.production.task import Task
-from megatron_gspo.reward import RewardInput, RewardRunner
+from megatron_gspo.reward import RewardRunner
 from megatron_gspo.rollout import GenerateRequest, GenerateResult, RolloutEngine, derive_seed
 from megatron_gspo.samples import TrainSample
 
@@ -108,6 +129,9 @@ class EpisodeSettings:
     """``env.max_tokens_per_turn``; None: what is left of the response budget."""
     num_workers: int
     """``env.num_workers``: environment steps running at the same time."""
+    turn_scheduling: str
+    """``env.turn_scheduling``: ``lockstep`` (each engine call waits for every environment step
+    in flight) or ``independent`` (for at least one); module docstring."""
     vocab_size: int
     """``model.vocab_size``: observation token ids must fall below it."""
 
@@ -120,6 +144,7 @@ class EpisodeSettings:
             max_turns=cfg.env.max_turns,
             max_tokens_per_turn=cfg.env.max_tokens_per_turn,
             num_workers=cfg.env.num_workers,
+            turn_scheduling=cfg.env.turn_scheduling,
             vocab_size=cfg.model.vocab_size,
         )
 
@@ -145,6 +170,9 @@ class Trajectory:
     turns: list[int] = field(default_factory=list)
     turn_rewards: list[float] = field(default_factory=list)
     route_chunks: list[np.ndarray] = field(default_factory=list)
+    route_weight_chunks: list[np.ndarray] = field(default_factory=list)
+    """The combine weights of ``route_chunks``' rows, chunk for chunk (when the engine reports
+    them)."""
     route_rows: int = 0
     """Route rows collected so far: rows ``[0, route_rows)`` of the trajectory."""
     weight_version: Optional[int] = None
@@ -178,6 +206,9 @@ class Trajectory:
             # earlier call covered (module docstring).
             end = len(request.input_ids) + len(output) - 1
             self.route_chunks.append(np.asarray(result.routed_experts)[self.route_rows : end])
+            if result.routed_expert_weights is not None:
+                weights = np.asarray(result.routed_expert_weights)[self.route_rows : end]
+                self.route_weight_chunks.append(weights)
             self.route_rows = max(self.route_rows, end)
         version = int(result.weight_version)
         if result.output_weight_versions is not None:
@@ -224,9 +255,24 @@ class Trajectory:
 
     def sample(self) -> TrainSample:
         aborted = self.status == "aborted"
-        routes = None
+        if aborted and len(self.tokens) == self.prompt_length:
+            # Aborted before its first turn (reset failed, or the run stopped): one masked filler
+            # token, since every trained sample needs a response token (engine/batches.py).
+            self.tokens.append(self.tokens[-1])
+            self.loss_mask.append(False)
+            self.log_probs.append(0.0)
+            self.versions.append(self.weight_version or 0)
+            self.turns.append(-1)
+        routes = route_weights = None
         if self.route_chunks:
             routes = torch.from_numpy(np.concatenate(self.route_chunks, axis=0))
+        if self.route_weight_chunks:
+            if len(self.route_weight_chunks) != len(self.route_chunks):
+                raise ValueError(
+                    f"{len(self.route_weight_chunks)} engine calls of an episode reported route "
+                    f"weights, {len(self.route_chunks)} reported routes; every call must report both"
+                )
+            route_weights = torch.from_numpy(np.concatenate(self.route_weight_chunks, axis=0))
         return TrainSample(
             tokens=torch.tensor(self.tokens, dtype=torch.long),
             prompt_length=self.prompt_length,
@@ -237,6 +283,7 @@ class Trajectory:
             rollout_log_probs=torch.tensor(self.log_probs, dtype=torch.float32),
             rollout_weight_versions=torch.tensor(self.versions, dtype=torch.int64),
             rollout_routes=routes,
+            rollout_route_weights=route_weights,
             turns=torch.tensor(self.turns, dtype=torch.int16),
             turn_rewards=torch.tensor(self.turn_rewards, dtype=torch.float64),
             reward=float(sum(self.turn_rewards)),
@@ -272,30 +319,23 @@ class EnvironmentProducer(SampleProducer):
     ) -> ScoredSamples:
         started = time.perf_counter()
         trajectories = self.start_episodes(prompts, step, first_index)
-        timings = {"rollout": 0.0}
-        with ThreadPoolExecutor(self.settings.num_workers, thread_name_prefix="env") as pool:
-            turn = 0
-            while True:
-                live = [t for t in trajectories if t.status == "running"]
-                if not live:
-                    break
-                began = time.perf_counter()
-                self.generate_turn(live, turn)
-                timings["rollout"] += time.perf_counter() - began
-                self.step_environments([t for t in live if t.pending_turn is not None], pool)
-                turn += 1
-        for trajectory in trajectories:
-            if trajectory.environment is not None:
-                self._close(trajectory)
+        try:
+            generation_s, calls = self.play(trajectories)
+        finally:
+            for trajectory in trajectories:
+                if trajectory.environment is not None:
+                    self._close(trajectory)
         samples = [trajectory.sample() for trajectory in trajectories]
         scored = time.perf_counter()
         metrics = self.score(samples, trajectories)
         if self.sampling.finish is not None:
             metrics.update(finish_samples(samples, self.sampling.finish))
         metrics.update(episode_metrics(trajectories))
-        metrics["time/rollout_s"] = timings["rollout"]
-        # Everything before scoring that is not generation: resets and the environments' steps.
-        metrics["time/env_s"] = scored - started - timings["rollout"]
+        metrics["env/engine_calls_count"] = float(calls)
+        metrics["time/rollout_s"] = generation_s
+        # Everything before scoring that is not generation: resets, and the environments' steps
+        # while the engine had nothing to do (independent scheduling runs the rest beside it).
+        metrics["time/env_s"] = scored - started - generation_s
         metrics["time/reward_s"] = time.perf_counter() - scored
         return ScoredSamples(samples, metrics)
 
@@ -329,66 +369,94 @@ class EnvironmentProducer(SampleProducer):
                 trajectories.append(trajectory)
         return trajectories
 
-    def generate_turn(self, live: list[Trajectory], turn: int) -> None:
+    def play(self, trajectories: list[Trajectory]) -> tuple[float, int]:
+        """Every trajectory's turns and steps to its end (module docstring, "Turn scheduling");
+        the seconds spent in engine calls and their number. Lockstep is this loop waiting for
+        every step in flight, independent this loop waiting for at least one."""
+        independent = self.settings.turn_scheduling == "independent"
+        wait_for = FIRST_COMPLETED if independent else ALL_COMPLETED
+        ready = [t for t in trajectories if t.status == "running"]
+        stepping: dict[Future, Trajectory] = {}
+        generation_s, calls, aborted = 0.0, 0, False
+        with ThreadPoolExecutor(self.settings.num_workers, thread_name_prefix="env") as pool:
+            while ready or stepping:
+                if aborted:
+                    for trajectory in ready:  # the run is stopping: no more turns
+                        trajectory.status = "aborted"
+                elif ready:
+                    began = time.perf_counter()
+                    aborted = self.generate_turn(ready)
+                    generation_s += time.perf_counter() - began
+                    calls += 1
+                    for trajectory in ready:
+                        if trajectory.pending_turn is not None:
+                            stepping[pool.submit(self.step_environment, trajectory)] = trajectory
+                ready = []
+                if not stepping:
+                    break
+                done, _ = wait(stepping, return_when=wait_for)
+                # In the trajectories' order, whatever order the steps ended in: the order of
+                # the next call's requests (and of the failures logged) never depends on it.
+                for future in sorted(done, key=lambda f: stepping[f].sample_index):
+                    trajectory = stepping.pop(future)
+                    self.take_step(trajectory, future.result())
+                    if trajectory.status == "running":
+                        ready.append(trajectory)
+        return generation_s, calls
+
+    def generate_turn(self, ready: list[Trajectory]) -> bool:
+        """One engine call with the next turn of every trajectory of ``ready``; whether the
+        engine aborted any of them. Turn ``k`` of a trajectory samples with its seed for ``k``
+        whichever call it lands in."""
         budget = self.sampling.max_new_tokens
         per_turn = self.settings.max_tokens_per_turn or budget
         eos = self.task.stop_token_ids
         requests = [
             self.sampling.request(
                 t.tokens,
-                seed=derive_seed(t.seed, turn),
+                seed=derive_seed(t.seed, t.num_turns),
                 stop_token_ids=[*eos, *(s for s in t.stop_token_ids if s not in eos)],
                 max_new_tokens=min(per_turn, budget - t.response_length),
             )
-            for t in live
+            for t in ready
         ]
+        aborted = False
         for trajectory, request, result in zip(
-            live, requests, self.rollout.generate(requests, n=1)
+            ready, requests, self.rollout.generate(requests, n=1)
         ):
             trajectory.add_turn(result, request, budget)
+            aborted |= result.finish_reason == "abort"
+        return aborted
 
-    def step_environments(self, waiting: list[Trajectory], pool: ThreadPoolExecutor) -> None:
-        def step(trajectory: Trajectory) -> Any:
-            try:
-                return trajectory.environment.step(trajectory.pending_turn)
-            except Exception as error:  # the environment's code: counted, never fatal
-                return error
+    @staticmethod
+    def step_environment(trajectory: Trajectory) -> Any:
+        """The environment's answer to the pending turn, or what it raised (in a worker
+        thread: it touches nothing but its own environment)."""
+        try:
+            return trajectory.environment.step(trajectory.pending_turn)
+        except Exception as error:  # the environment's code: counted, never fatal
+            return error
 
-        for trajectory, outcome in zip(waiting, pool.map(step, waiting)):
-            problem = outcome if isinstance(outcome, Exception) else self._invalid(outcome)
-            if problem is not None:
-                self._fail(trajectory, "step", problem)
-            else:
-                trajectory.add_step(
-                    outcome,
-                    max_turns=self.settings.max_turns,
-                    budget=self.sampling.max_new_tokens,
-                )
+    def take_step(self, trajectory: Trajectory, outcome: Any) -> None:
+        """Apply an environment step's outcome (:meth:`step_environment`) to its trajectory."""
+        problem = outcome if isinstance(outcome, Exception) else self._invalid(outcome)
+        if problem is not None:
+            self._fail(trajectory, "step", problem)
+        else:
+            trajectory.add_step(
+                outcome, max_turns=self.settings.max_turns, budget=self.sampling.max_new_tokens
+            )
 
     def score(self, samples: list[TrainSample], trajectories: list[Trajectory]) -> dict[str, float]:
         """Add the reward functions' score (when there are any) to the turns' parts."""
         if self.rewards is None:
             return {}
-        inputs = []
-        for sample, trajectory in zip(samples, trajectories):
-            response_ids = sample.tokens[sample.prompt_length :].tolist()
-            inputs.append(
-                RewardInput(
-                    prompt=trajectory.prompt.prompt_text,
-                    response=self.task.tokenizer.decode(response_ids, skip_special_tokens=True),
-                    answer=trajectory.prompt.answer,
-                    metadata=trajectory.prompt.metadata,
-                    prompt_ids=sample.tokens[: sample.prompt_length].tolist(),
-                    response_ids=response_ids,
-                    finish_reason=sample.finish_reason,
-                )
-            )
-        result = self.rewards.score(inputs)
-        for sample, reward in zip(samples, result.rewards):
-            sample.reward += float(reward)
-        return {
-            k: float(v) for k, v in result.metrics.items() if k not in ("reward_mean", "reward_max")
-        }
+        scores, metrics = score_responses(
+            self.rewards, self.task.tokenizer, [t.prompt for t in trajectories], samples
+        )
+        for sample, score in zip(samples, scores):
+            sample.reward += score
+        return metrics
 
     # ------------------------------------------------------------------ failures
 

@@ -49,7 +49,7 @@ class Retokenizer:
                     "tokens, and this sample has none"
                 )
             prompt = sample.tokens[: sample.prompt_length]
-            sample.rollout_routes = None
+            sample.rollout_routes = sample.rollout_route_weights = None
             live += 1
             try:
                 result = retokenize(

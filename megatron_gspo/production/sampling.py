@@ -66,6 +66,9 @@ class Sampling:
     retokenize: bool = False
     """``rollout.retokenize_responses``: decode every response and encode it again before
     scoring (:mod:`megatron_gspo.production.retokenization`); training only."""
+    return_route_weights: bool = False
+    """With ``return_routes``: also the combine weights of the engine's routes (R3 with
+    ``algo.routing_replay_weights=replayed``, the embedded engine)."""
 
     @classmethod
     def training(cls, cfg: TrainConfig) -> Sampling:
@@ -77,6 +80,7 @@ class Sampling:
             max_new_tokens=cfg.algo.response_length,
             group_size=cfg.algo.num_return_sequences_in_group,
             return_routes=cfg.requests_rollout_routes,
+            return_route_weights=cfg.requests_rollout_route_weights,
             seed=cfg.rollout.seed if cfg.rollout.seed is not None else cfg.seed,
             finish=FinishSettings.from_config(cfg),
             retokenize=cfg.rollout.retokenize_responses,
@@ -93,6 +97,7 @@ class Sampling:
             temperature=temperature,
             group_size=group_size,
             return_routes=False,
+            return_route_weights=False,
             finish=None,
             retokenize=False,
         )
@@ -122,4 +127,5 @@ class Sampling:
             seed=seed,
             return_logprob=True,
             return_routed_experts=self.return_routes,
+            return_routed_expert_weights=self.return_route_weights,
         )

@@ -16,8 +16,9 @@ from megatron_gspo.production.producer import (
 )
 from megatron_gspo.production.retokenization import Retokenizer
 from megatron_gspo.production.sampling import Sampling
+from megatron_gspo.production.scoring import score_responses
 from megatron_gspo.production.task import Task
-from megatron_gspo.reward import RewardInput, RewardRunner
+from megatron_gspo.reward import RewardRunner
 from megatron_gspo.rollout import RolloutEngine
 from megatron_gspo.samples import TrainSample
 
@@ -112,6 +113,9 @@ def generate(
                 if result.output_weight_versions is None
                 else torch.as_tensor(result.output_weight_versions, dtype=torch.int64),
                 rollout_routes=None if routes is None else torch.from_numpy(routes),
+                rollout_route_weights=None
+                if result.routed_expert_weights is None
+                else torch.from_numpy(result.routed_expert_weights),
                 finish_reason=result.finish_reason,
                 weight_version=result.weight_version,
             )
@@ -123,25 +127,10 @@ def generate(
 def score(
     samples: list[TrainSample], prompts: list[Prompt], rewards: RewardRunner, task: Task
 ) -> dict[str, float]:
-    """Score every sample against its prompt (``prompts[i]`` for ``samples[i]``); failures are
-    counted in the returned metrics and logged by the runner."""
-    inputs = []
-    for sample, prompt in zip(samples, prompts):
-        response_ids = sample.tokens[sample.prompt_length :].tolist()
-        inputs.append(
-            RewardInput(
-                prompt=prompt.prompt_text,
-                response=task.tokenizer.decode(response_ids, skip_special_tokens=True),
-                answer=prompt.answer,
-                metadata=prompt.metadata,
-                prompt_ids=list(prompt.prompt_ids),
-                response_ids=response_ids,
-                finish_reason=sample.finish_reason,
-            )
-        )
-    result = rewards.score(inputs)
-    for sample, reward in zip(samples, result.rewards):
-        sample.reward = float(reward)
-    return {
-        k: float(v) for k, v in result.metrics.items() if k not in ("reward_mean", "reward_max")
-    }
+    """Score every sample against its prompt (``prompts[i]`` for ``samples[i]``; the rule of
+    :func:`~megatron_gspo.production.scoring.score_responses`); failures are counted in the
+    returned metrics and logged by the runner."""
+    scores, metrics = score_responses(rewards, task.tokenizer, prompts, samples)
+    for sample, reward in zip(samples, scores):
+        sample.reward = reward
+    return metrics

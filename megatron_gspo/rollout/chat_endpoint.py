@@ -126,6 +126,8 @@ class SessionSettings:
     """Tokens that end a model turn (EOS and the template's end-of-turn token)."""
     return_routes: bool = False
     """Ask the engine for R3 routes."""
+    return_route_weights: bool = False
+    """With ``return_routes``: also their combine weights (R3 with replayed weights)."""
 
 
 @dataclass
@@ -436,6 +438,7 @@ class ChatEndpoint:
             seed=derive_seed(settings.seed, len(session.calls)),
             return_logprob=True,
             return_routed_experts=settings.return_routes,
+            return_routed_expert_weights=settings.return_route_weights,
             session_id=session.session_id,
         )
         (result,) = self.engine.generate([request], n=1)

@@ -5,7 +5,10 @@ SGLang changes speed, not numbers:
 
 * log-probs at the sampling temperature, before top-k/top-p truncation (see ``sampling.py``);
   greedy decoding for ``temperature == 0`` (log-probs then at temperature 1);
-* routed experts ``[L - 1, M, K]`` of its own routers, logical ids, dense layers skipped;
+* routed experts ``[L - 1, M, K]`` of its own routers, logical ids, dense layers skipped; with
+  ``return_routed_expert_weights`` also the float32 combine weight its router gave each of them
+  (the router's second output, renormalised and scaled: what its MoE block multiplied the
+  expert's output by), which R3 with ``algo.routing_replay_weights=replayed`` replays;
 * a weight version that only ``sync_weights`` changes;
 * in a reduced precision (``dtype`` bfloat16 / float16, ``rollout.dtype``) every layer, the MoE
   router included, computes in that dtype and the output layer returns logits in it; they are
@@ -86,6 +89,8 @@ class _Sample:
     """Weight version of the forward whose logits sampled each output token."""
     routes: list[torch.Tensor] = field(default_factory=list)
     """Chunks of ``[rows, M, K]`` expert ids, in token order."""
+    route_weights: list[torch.Tensor] = field(default_factory=list)
+    """Chunks of ``[rows, M, K]`` float32 combine weights beside ``routes`` (when asked)."""
     weight_version: int = 0
     finish_reason: Optional[str] = None
     matched_stop_token: Optional[int] = None
@@ -440,6 +445,11 @@ class EmbeddedEngine(RolloutEngine):
                 f"so none may be sampled before min_new_tokens={request.min_new_tokens}; leave "
                 "at least one token out of stop_token_ids"
             )
+        if request.return_routed_expert_weights and not request.return_routed_experts:
+            raise ValueError(
+                f"request {request.request_id!r}: routed expert weights asked without the routed "
+                "experts"
+            )
         if request.return_routed_experts and not self.moe_layer_indices:
             raise ValueError(
                 f"request {request.request_id!r}: routed experts asked of the dense "
@@ -497,12 +507,21 @@ class EmbeddedEngine(RolloutEngine):
         return self._forcer.forcing(routes)
 
     def _forward(
-        self, input_ids, attention_mask, position_ids, cache, want_routes: bool, twin_cache=None
-    ) -> tuple[torch.Tensor, int, Optional[torch.Tensor]]:
-        """``(logits, version, routes)``: last-position fp32 logits ``[B, V]``, the weight
-        version that produced them and, if asked, the routes ``[B, S, M, K]`` of every position.
+        self,
+        input_ids,
+        attention_mask,
+        position_ids,
+        cache,
+        want_routes: bool,
+        twin_cache=None,
+        want_weights: bool = False,
+    ) -> tuple[torch.Tensor, int, Optional[torch.Tensor], Optional[torch.Tensor]]:
+        """``(logits, version, routes, route_weights)``: last-position fp32 logits ``[B, V]``,
+        the weight version that produced them and, if asked, the routes ``[B, S, M, K]`` of
+        every position and (``want_weights``) the float32 combine weights the routers gave them.
         With a float32 twin, it runs first on the same inputs (``twin_cache``: its KV cache)
-        and the engine's routers follow its choice.
+        and the engine's routers follow its choice (the weights are then the engine's routers'
+        at the forced ids: what multiplied the experts' outputs).
         """
         batch_size, seq_len = input_ids.shape
         with self._model_lock, torch.inference_mode():
@@ -510,17 +529,20 @@ class EmbeddedEngine(RolloutEngine):
             if self._twin is not None:
                 forced = self._twin.routes(input_ids, attention_mask, position_ids, twin_cache)
             self._recorder.enabled = want_routes
+            self._recorder.record_weights = want_routes and want_weights
             try:
                 with self._forced_routes(forced):
                     logits = self._logits(input_ids, attention_mask, position_ids, cache)
-                routes = None
+                routes = weights = None
                 if want_routes:
                     routes = torch.stack(self._recorder.pop(batch_size, seq_len), dim=2)
+                if want_routes and want_weights:
+                    weights = torch.stack(self._recorder.pop_weights(batch_size, seq_len), dim=2)
             finally:
-                self._recorder.enabled = False
+                self._recorder.enabled = self._recorder.record_weights = False
             # In a reduced-precision engine the logits leave the output layer in bf16/fp16; the
             # softmax that follows runs in float32, as in SGLang (see the module docstring).
-            return logits.float(), self._weight_version, routes
+            return logits.float(), self._weight_version, routes, weights
 
     def _logits(self, input_ids, attention_mask, position_ids, cache) -> torch.Tensor:
         """``[B, V]`` last-position logits of one forward (in the model's dtype)."""
@@ -587,16 +609,20 @@ class EmbeddedEngine(RolloutEngine):
         }
         held_back = _held_back_stops(batch, 0, self.vocab_size) if thresholds else None
         want_routes = any(s.request.return_routed_experts for s in batch)
+        want_weights = any(s.request.return_routed_expert_weights for s in batch)
         cache = DynamicCache(config=self.hf_model.config)
         twin_cache = self._twin.new_cache() if self._twin is not None else None
 
-        logits, version, routes = self._forward(
-            input_ids, attention_mask, position_ids, cache, want_routes, twin_cache
+        logits, version, routes, route_weights = self._forward(
+            input_ids, attention_mask, position_ids, cache, want_routes, twin_cache, want_weights
         )
         for row, sample in enumerate(batch):
             sample.weight_version = version
             if want_routes:
                 sample.routes.append(routes[row, padded_length - sample.prompt_length :])
+            if want_weights:
+                start = padded_length - sample.prompt_length
+                sample.route_weights.append(route_weights[row, start:])
 
         live = list(batch)
         # Rows decode in lockstep (one token per live row per step; finished rows leave), so
@@ -644,13 +670,21 @@ class EmbeddedEngine(RolloutEngine):
                 )
             # The token just sampled sits at position prompt_length + generated - 1.
             position_ids = (prompt_lengths + (generated - 1)).unsqueeze(1)
-            logits, version, routes = self._forward(
-                tokens.unsqueeze(1), attention_mask, position_ids, cache, want_routes, twin_cache
+            logits, version, routes, route_weights = self._forward(
+                tokens.unsqueeze(1),
+                attention_mask,
+                position_ids,
+                cache,
+                want_routes,
+                twin_cache,
+                want_weights,
             )
             for row, sample in enumerate(live):
                 sample.weight_version = min(sample.weight_version, version)
                 if want_routes:
                     sample.routes.append(routes[row])
+                if want_weights:
+                    sample.route_weights.append(route_weights[row])
 
     def _append_token(self, sample: _Sample, token: int, log_prob: float, version: int) -> None:
         sample.output_ids.append(token)
@@ -663,13 +697,16 @@ class EmbeddedEngine(RolloutEngine):
 
     def _result(self, sample: _Sample) -> GenerateResult:
         request = sample.request
-        routed_experts = None
+        routed_experts = routed_expert_weights = None
         if request.return_routed_experts:
             # The last generated token is never run forward: L - 1 rows (an abort before the
             # first token drops the last prompt row the same way).
             num_rows = sample.prompt_length + len(sample.output_ids) - 1
             routes = torch.cat(sample.routes, dim=0)[:num_rows]
             routed_experts = routes.numpy().astype(self.route_dtype)
+            if request.return_routed_expert_weights:
+                weights = torch.cat(sample.route_weights, dim=0)[:num_rows]
+                routed_expert_weights = weights.numpy().astype(np.float32)
         return GenerateResult(
             request_id=request.request_id,
             output_ids=list(sample.output_ids),
@@ -680,6 +717,7 @@ class EmbeddedEngine(RolloutEngine):
             prompt_length=sample.prompt_length,
             weight_version=sample.weight_version,
             routed_experts=routed_experts,
+            routed_expert_weights=routed_expert_weights,
             output_weight_versions=np.asarray(sample.token_versions, dtype=np.int64),
             matched_stop_token=sample.matched_stop_token,
             abort_message=sample.abort_message,

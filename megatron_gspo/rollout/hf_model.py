@@ -87,8 +87,12 @@ class RouteRecorder:
     def __init__(self, hf_model: Any, enabled: bool = True):
         self.hf_model = hf_model
         self.enabled = enabled
+        self.record_weights = False
+        """Also record each router's top-k weights (:meth:`pop_weights`): the second output of
+        the supported routers, what their MoE block multiplies the experts' outputs by."""
         self.layer_indices = moe_layer_indices(hf_model)
         self._records: list[list[torch.Tensor]] = [[] for _ in self.layer_indices]
+        self._weight_records: list[list[torch.Tensor]] = [[] for _ in self.layer_indices]
         self._handles: list[Any] = []
 
     def __enter__(self) -> RouteRecorder:
@@ -113,6 +117,9 @@ class RouteRecorder:
                     "(router_logits, top_k_weights, top_k_indices) as in transformers 5"
                 )
             self._records[slot].append(output[2].detach())
+            if self.record_weights:
+                # A bf16 / fp16 router's weights convert to float32 exactly.
+                self._weight_records[slot].append(output[1].detach().float())
 
         return record
 
@@ -128,6 +135,21 @@ class RouteRecorder:
             routes.append(records[0].reshape(batch_size, seq_len, -1))
             records.clear()
         return routes
+
+    def pop_weights(self, batch_size: int, seq_len: int) -> list[torch.Tensor]:
+        """Per MoE layer ``[batch_size, seq_len, K]`` float32 top-k weights of the last forward
+        (recorded with :attr:`record_weights`), in the order of the ids :meth:`pop` returns,
+        then clear."""
+        weights = []
+        for slot, records in enumerate(self._weight_records):
+            if len(records) != 1:
+                raise RuntimeError(
+                    f"MoE layer {self.layer_indices[slot]} recorded {len(records)} router weights "
+                    "in one forward; expected exactly 1 (record_weights on for the forward)"
+                )
+            weights.append(records[0].reshape(batch_size, seq_len, -1))
+            records.clear()
+        return weights
 
 
 def forward_with_routes(hf_model: Any, tokens: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:

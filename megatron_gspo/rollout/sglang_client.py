@@ -309,6 +309,12 @@ class SGLangEngine(RolloutEngine):
             requests, n = expand_samples(requests, n), 1
         if any(r.return_routed_experts for r in requests) and self.route_layout is None:
             raise ValueError("routed experts requested but the SGLangEngine has no route_layout")
+        if any(r.return_routed_expert_weights for r in requests):
+            # SGLang's return_routed_experts carries expert ids only (docs/glm4-moe.md, section 2).
+            raise ValueError(
+                "routed expert weights requested of an SGLang server, which returns expert ids "
+                "only; R3 with routing_replay_weights=replayed needs rollout.engine=embedded"
+            )
         chunks = self._chunks(list(requests))
         if not chunks:
             return []

@@ -55,6 +55,9 @@ class GenerateRequest:
     seed: Optional[int] = None
     return_logprob: bool = True
     return_routed_experts: bool = False
+    return_routed_expert_weights: bool = False
+    """With ``return_routed_experts``: also the combine weight of each routed expert
+    (``GenerateResult.routed_expert_weights``); the embedded engine only (SGLang returns ids)."""
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     session_id: Optional[str] = None
     """The episode (chat session) the request belongs to: an engine with several servers sends
@@ -82,6 +85,8 @@ class GenerateRequest:
             problems.append(f"seed={self.seed} does not fit in int64")
         if not self.request_id:
             problems.append("request_id is empty")
+        if self.return_routed_expert_weights and not self.return_routed_experts:
+            problems.append("return_routed_expert_weights without return_routed_experts")
         if problems:
             raise ValueError(
                 f"invalid GenerateRequest {self.request_id!r}: " + "; ".join(problems) + "."
@@ -110,6 +115,10 @@ class GenerateResult:
     prompt_length: int
     weight_version: int
     routed_experts: Optional[np.ndarray] = None
+    routed_expert_weights: Optional[np.ndarray] = None
+    """``[L - 1, M, K]`` float32 beside ``routed_experts``: the combine weight the engine's
+    router gave each routed expert (after renormalisation and scaling), in the ids' order
+    (:mod:`megatron_gspo.samples.routes`); None when not asked."""
     output_weight_versions: Optional[np.ndarray] = None
     """``[R]`` int64 weight version per generated token; None when the engine does not say
     (an SGLang answer without ``weight_versions`` spans)."""
@@ -153,6 +162,18 @@ class GenerateResult:
                     f"result {self.request_id!r}: {problem}; prompt {self.prompt_length} + "
                     f"response {len(self.output_ids)} tokens"
                 )
+        if self.routed_expert_weights is not None and (
+            self.routed_experts is None
+            or self.routed_expert_weights.shape != self.routed_experts.shape
+            or self.routed_expert_weights.dtype != np.float32
+        ):
+            raise ValueError(
+                f"result {self.request_id!r}: routed expert weights "
+                f"{self.routed_expert_weights.dtype}{tuple(self.routed_expert_weights.shape)} do "
+                "not match the routed experts "
+                f"{None if self.routed_experts is None else tuple(self.routed_experts.shape)} "
+                "(float32, one weight per id)"
+            )
 
     @property
     def response_length(self) -> int:

@@ -12,6 +12,12 @@ combine sums over experts). Ids are stored compactly: uint8 up to 256 experts, i
 Routes stay a per-sample tensor assembled by concatenating rows along the token axis, so routes
 that come from several engine calls (segments of a partial rollout, turns of a conversation) join
 into the same ``[L - 1, M, K]`` contract.
+
+Route weights (R3 with ``algo.routing_replay_weights=replayed``): beside the ids, float32
+``[L - 1, M, K]`` holding, at each id, the combine weight the engine's router gave that expert
+(after its renormalisation and scaling: what multiplied the expert's output), in the same order as
+the ids. They travel exactly as the ids do (rows joined along the token axis) and are checked
+against them by :func:`check_route_weights`.
 """
 
 from __future__ import annotations
@@ -110,6 +116,40 @@ def check_routes(
             f"{routes[token, layer].tolist()}; each token routes to K distinct experts ({source})"
         )
     return routes
+
+
+ROUTE_WEIGHT_DTYPE = torch.float32
+"""Storage dtype of route weights: a bf16 / fp16 engine's weights convert to it exactly."""
+
+
+def check_route_weights(
+    weights: Optional[torch.Tensor],
+    *,
+    where: str,
+    routes: torch.Tensor,
+    source: str,
+) -> torch.Tensor:
+    """Validate one sample's route weights against its (checked) ``routes``: float32, the
+    routes' shape ``[L - 1, M, K]``, finite and non-negative (every supported router gives
+    softmax or sigmoid weights). Returns them; raises :class:`RouteError` naming ``where`` and
+    ``source`` (where the weights should have come from)."""
+    if weights is None:
+        raise RouteError(f"{where}: route weights are missing ({source})")
+    if tuple(weights.shape) != tuple(routes.shape):
+        raise RouteError(
+            f"{where}: route weights have shape {tuple(weights.shape)}, the routes "
+            f"{tuple(routes.shape)}; each expert id has its weight, in the same order ({source})"
+        )
+    if weights.dtype != ROUTE_WEIGHT_DTYPE:
+        raise RouteError(f"{where}: route weights must be float32, got {weights.dtype} ({source})")
+    if weights.numel() and not bool((torch.isfinite(weights) & (weights >= 0)).all()):
+        bad = (~(torch.isfinite(weights) & (weights >= 0))).nonzero()[0].tolist()
+        raise RouteError(
+            f"{where}: route weight at token {bad[0]}, MoE layer {bad[1]} is "
+            f"{float(weights[bad[0], bad[1], bad[2]])}; combine weights are finite and >= 0 "
+            f"({source})"
+        )
+    return weights
 
 
 def balanced_pad_routes(positions: torch.Tensor, topk: int, num_experts: int) -> torch.Tensor:

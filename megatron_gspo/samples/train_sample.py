@@ -46,6 +46,11 @@ class TrainSample:
     """``[L - 1, M, K]`` uint8/int16 expert ids per token and MoE layer from the rollout engine
     (its last token never ran forward, so there are L - 1 rows; format: :mod:`megatron_gspo.
     routes`). R3 replays them."""
+    rollout_route_weights: Optional[torch.Tensor] = None
+    """``[L - 1, M, K]`` float32: the combine weights the rollout engine's routers gave
+    ``rollout_routes`` (after renormalisation and scaling, what multiplied each expert's output),
+    in the same order; the embedded engine reports them when asked (R3 with
+    ``algo.routing_replay_weights=replayed``, which replays them as constants)."""
     old_routes: Optional[torch.Tensor] = None
     """``[L - 1, M, K]`` the old policy's native routes, recorded by the training engine's
     old-log-prob forward (``forward_log_probs(record_routes=True)``). R2 replays them; they are

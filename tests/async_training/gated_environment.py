@@ -5,6 +5,7 @@ path, so that both see one module."""
 
 from __future__ import annotations
 
+import itertools
 import os
 import threading
 
@@ -36,4 +37,30 @@ class ProcessReportingEnvironment(ScriptedEnvironment):
         step = super().step(turn)
         if step.done:
             step = EnvStep(observation_ids=[], reward=float(os.getpid()), done=True)
+        return step
+
+
+ENDED = threading.Semaphore(0)
+"""Released once per episode of :class:`HalfGatedEnvironment` that ended while the gate was
+closed."""
+
+
+class HalfGatedEnvironment(GatedEnvironment):
+    """Every other environment made (count from ``made``, which a test resets) waits at the
+    gate as :class:`GatedEnvironment` does; the others go through, and release ``ENDED`` at the
+    end of their episode while the gate is closed. In a chunk of groups of even size, the
+    episodes with an even index in their group wait."""
+
+    made = itertools.count()
+
+    def __init__(self, **options) -> None:
+        super().__init__(**options)
+        self.gated = next(HalfGatedEnvironment.made) % 2 == 0
+
+    def step(self, turn: Turn) -> EnvStep:
+        if self.gated:
+            return super().step(turn)
+        step = ScriptedEnvironment.step(self, turn)
+        if step.done and not GATE.is_set():
+            ENDED.release()
         return step

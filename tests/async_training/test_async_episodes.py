@@ -2,11 +2,13 @@
 engine, driven the way the loop drives the driver (tests/async_training/test_async_driver.py):
 the background source at bound 0 gives the synchronous batches of an environment, bit for bit;
 one step off-policy keeps the bound and trains each prompt once; a weight sync between two
-turns gives episodes that span versions, each token with the version that sampled it; DAPO's
-dynamic sampling drops uninformative groups as consumed prompts of the step."""
+turns gives episodes that span versions, each token with the version that sampled it, and with
+independent turn scheduling the episodes that do not wait end before it; DAPO's dynamic sampling
+drops uninformative groups as consumed prompts of the step."""
 
 from __future__ import annotations
 
+import itertools
 import multiprocessing
 import os
 from contextlib import ExitStack
@@ -18,7 +20,8 @@ from megatron_gspo.driver.build import build_rollout_driver
 from megatron_gspo.driver.ledger import read_trained_prompts
 from megatron_gspo.production.processes import following_client
 from megatron_gspo.rollout.embedded import EmbeddedEngine
-from tests.async_training.gated_environment import GATE, WAITING
+from tests.async_training import gated_environment
+from tests.async_training.gated_environment import ENDED, GATE, WAITING
 
 BATCH = 2
 GROUP = 4
@@ -33,7 +36,14 @@ ENVIRONMENT = {
 BINARY_REWARD = "tests.production.binary_rewards:first_digit_is_even"
 
 
-def config(tmp_path, *, algo: dict | None = None, reward: dict | None = None, **rollout):
+def config(
+    tmp_path,
+    *,
+    algo: dict | None = None,
+    reward: dict | None = None,
+    env: dict | None = None,
+    **rollout,
+):
     return from_dict(
         TrainConfig,
         {
@@ -47,7 +57,7 @@ def config(tmp_path, *, algo: dict | None = None, reward: dict | None = None, **
                 "old_log_prob_source": "rollout",
                 **(algo or {}),
             },
-            "env": ENVIRONMENT,
+            "env": {**ENVIRONMENT, **(env or {})},
             "reward": {"executor": "thread", **(reward or {})},
             "logging": {"tensorboard": False, "progress_bar": False},
             "rollout": rollout,
@@ -132,6 +142,65 @@ def test_episodes_span_versions_within_the_bound_and_train_each_prompt_once(tmp_
     # policy's (a teacher-forced check of turn 0 under version 0 and turn 1 under version 1).
     sample = first.samples[0]
     for version in (0, 1):
+        engine = EmbeddedEngine(TrainConfig().model, seed=100 + version)
+        forced = teacher_forced(engine, sample)
+        own = (sample.turns >= 0) & (sample.rollout_weight_versions == version)
+        torch.testing.assert_close(forced[own], sample.rollout_log_probs[own], atol=1e-4, rtol=0)
+    for step, batch in zip((1, 2, 3), batches):
+        assert all(step - 1 <= s.weight_version <= step for s in batch.samples), step
+        assert batch.metrics["staleness_max"] <= 1
+    trained = [i for line in read_trained_prompts(tmp_path) for i in line["prompt_ids"]]
+    assert len(trained) == len(set(trained)) == 3 * BATCH
+    assert sorted(trained + state["pending_prompt_ids"]) == list(range(state["consumed"]))
+
+
+def test_independent_episodes_end_while_others_wait_and_keep_the_bound(tmp_path, policies):
+    """env.turn_scheduling=independent, one step off-policy: half the episodes of the first
+    chunk wait after their first turn while the trainer syncs version 1; the other half do not
+    wait for them and end under version 0 before the sync (lockstep would hold their second
+    turns behind the waiting steps). Every token keeps the version and log-prob that sampled
+    it, the waiting episodes' later turns version 1; every batch is within the bound; each
+    prompt is trained once."""
+    GATE.clear()
+    gated_environment.HalfGatedEnvironment.made = itertools.count()
+    env = {
+        "name": "tests.async_training.gated_environment:HalfGatedEnvironment",
+        "turn_scheduling": "independent",
+    }
+    try:
+        with ExitStack() as resources:
+            driver = build_rollout_driver(
+                config(tmp_path, env=env, max_staleness=1), resources, background=True
+            )
+            driver.start(0, None)
+            driver.sync_weights(iter(policies[0]), version=0)
+            for _ in range(BATCH * GROUP // 2):  # half of chunk 0 is between turns 0 and 1
+                assert WAITING.acquire(timeout=120)
+            for _ in range(BATCH * GROUP // 2):  # the other half ends meanwhile
+                assert ENDED.acquire(timeout=30), "an episode waited for the others' steps"
+            driver.sync_weights(iter(policies[1]), version=1)
+            GATE.set()
+            batches = [driver.rollout(1)]
+            driver.mark_trained(1)
+            for step in (2, 3):
+                driver.sync_weights(iter(policies[step]), version=step)
+                batches.append(driver.rollout(step))
+                driver.mark_trained(step)
+            state = driver.state_dict()
+    finally:
+        GATE.set()
+    first = batches[0]
+    for index, sample in enumerate(first.samples):
+        versions, turns = model_versions(sample), sample.turns[sample.turns >= 0]
+        assert bool(sample.turns.eq(-1).any()) and sample.weight_version == 0
+        if index % 2 == 0:  # waited at the gate
+            assert versions[turns == 0].eq(0).all() and versions[turns > 0].eq(1).all()
+        else:
+            assert versions.eq(0).all()
+    assert first.metrics["partial_sample_frac"] == 0.5
+    assert first.metrics["staleness_max"] == 1.0
+    waited, went_on = first.samples[0], first.samples[1]
+    for sample, version in ((waited, 0), (waited, 1), (went_on, 0)):
         engine = EmbeddedEngine(TrainConfig().model, seed=100 + version)
         forced = teacher_forced(engine, sample)
         own = (sample.turns >= 0) & (sample.rollout_weight_versions == version)

@@ -144,9 +144,12 @@ def test_unknown_preset_name():
         # r2 records routes in the recompute forward
         (["algo.routing_replay=r2", "algo.old_log_prob_source=rollout"], "algo.routing_replay"),
         (["algo.routing_replay=r2", "algo.old_log_prob_source=detach"], "algo.routing_replay"),
-        # only R2's routes come with weights (the rollout engines report ids only)
-        (["algo.routing_replay=r3", "algo.routing_replay_weights=replayed"],
-         "algo.routing_replay_weights"),
+        # weights are replayed with replayed routes; R3's come from the embedded engine only
+        # (SGLang's return_routed_experts reports ids; the protocol carries no weights)
+        (["algo.routing_replay=r3", "algo.routing_replay_weights=replayed",
+          "rollout.engine=sglang"], "algo.routing_replay_weights"),
+        (["algo.routing_replay=r3", "algo.routing_replay_weights=replayed",
+          "rollout.engine=embedded_http"], "algo.routing_replay_weights"),
         (["algo.routing_replay_weights=replayed"], "algo.routing_replay_weights"),
         (["algo.routing_replay_weights=engine"], "algo.routing_replay_weights"),
         # GLM-4.5: Megatron ranks groups by top-(k / group_topk), HF by top-2
@@ -561,6 +564,32 @@ def test_sglang_return_routes_asks_sglang_for_routes_without_r3():
     assert cfg.requests_rollout_routes
     cfg.algo.log_routing_change = False
     assert not cfg.requests_rollout_routes
+
+
+def test_r3_replayed_weights_with_the_embedded_engine_asks_for_the_engine_weights():
+    """R3 with replayed weights is accepted with the embedded engine, which then reports its
+    routers' combine weights beside the ids; recompute (and R2) asks for ids only."""
+    cfg = load_config(None, ["algo.routing_replay=r3", "algo.routing_replay_weights=replayed"])
+    assert cfg.requests_rollout_routes and cfg.requests_rollout_route_weights
+    cfg.algo.routing_replay_weights = "recompute"
+    assert cfg.requests_rollout_routes and not cfg.requests_rollout_route_weights
+    cfg = load_config(None, ["algo.routing_replay=r2", "algo.routing_replay_weights=replayed"])
+    assert not cfg.requests_rollout_route_weights
+
+
+def test_r3_replayed_weights_with_sglang_says_what_why_and_fix():
+    with pytest.raises(ConfigError) as error:
+        load_quietly(
+            None,
+            [
+                "rollout.engine=sglang",
+                "algo.routing_replay=r3",
+                "algo.routing_replay_weights=replayed",
+            ],
+        )
+    message = str(error.value)
+    assert "rollout.engine=sglang" in message and "ids only" in message
+    assert "rollout.engine=embedded" in message and "recompute" in message
 
 
 @pytest.mark.parametrize("launch,warns", [(False, True), (True, False)])

@@ -12,6 +12,7 @@ logits (``router.gating``), never from the code under test.
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import sys
@@ -21,6 +22,7 @@ from pathlib import Path
 
 warnings.filterwarnings("ignore")
 
+import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
@@ -645,6 +647,176 @@ def _recomputed_r3_samples(engine, rollout, count: int) -> list:
     moved = torch.cat([topk_sets_differ(s.old_routes, s.rollout_routes).view(-1) for s in samples])
     assert float(moved.float().mean()) < 0.01, float(moved.float().mean())
     return samples
+
+
+# ---------------------------------------------------------------------------------------------
+# R3 replaying the engine's combine weights (routing_replay_weights=replayed)
+# ---------------------------------------------------------------------------------------------
+
+
+@contextmanager
+def capture_combine_weights(engine: TrainEngine):
+    """Per MoE layer, the list of ``(probs [T, E], native weights [T, E])`` of every router call:
+    the combine weights Megatron's router handed the dispatcher (zero off the chosen experts),
+    and an independent softmax (Qwen3-MoE's rule, float64) of the router logits."""
+    routers = [
+        layer.mlp.router
+        for chunk in engine.policy_chunks
+        for layer in chunk.decoder.layers
+        if hasattr(layer.mlp, "router")
+    ]
+    calls: dict[int, list] = {m: [] for m in range(len(routers))}
+    handles = []
+    for index, router in enumerate(routers):
+
+        def hook(module, inputs, output, index=index):
+            with torch.no_grad():
+                logits = module.gating(inputs[0]).view(-1, module.weight.shape[0])
+            calls[index].append((output[0].detach().clone(), logits.double().softmax(-1)))
+
+        handles.append(router.register_forward_hook(hook))
+    try:
+        yield calls
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def _samples_with_engine_weights(engine: TrainEngine, rollout, count: int) -> list[TrainSample]:
+    """``count`` samples of ``rollout`` (closed afterwards) with its routes and the combine
+    weights its routers gave them (``return_routed_expert_weights``)."""
+    from megatron_gspo.rollout.types import GenerateRequest
+
+    requests = [
+        GenerateRequest(
+            input_ids=[(5 * i + 3 * j) % 60 + 1 for j in range(2 + i)],
+            max_new_tokens=6 + i,
+            temperature=engine.cfg.rollout.temperature,
+            seed=100 + i,
+            return_routed_experts=True,
+            return_routed_expert_weights=True,
+        )
+        for i in range(count)
+    ]
+    results = rollout.generate(requests)
+    rollout.close()
+    samples = rollout_samples(requests, results)
+    for sample, result in zip(samples, results):
+        assert result.routed_expert_weights.dtype == np.float32
+        sample.rollout_route_weights = torch.from_numpy(result.routed_expert_weights)
+    return samples
+
+
+def _flat(samples: list[TrainSample], field: str) -> torch.Tensor:
+    return torch.cat([getattr(sample, field) for sample in samples])
+
+
+def _r3_replayed_equals_recompute(make_engine) -> None:
+    """float32 trainer and embedded engine with the same weights. (1) The engine's weights equal
+    Megatron's recomputed combine weights at the same ids (R3 + recompute's old-log-prob forward,
+    read from the router's output) to fp32 rounding; (2) R3 + replayed and R3 + recompute give
+    the same old log-probs and loss to fp32 rounding, and the same gradients where the router's
+    path does not reach (the last MoE layer's experts, the final norm, the output layer): with
+    replayed weights, constants, the loss's gradient no longer flows through the routers' logits
+    into the router weights and the hidden states that feed them; the metric says which weights
+    were used."""
+    recompute = make_engine("recompute")
+    rollout = _embedded_engine_with_trainer_weights(recompute)
+    samples = _samples_with_engine_weights(recompute, rollout, count=4)
+    twins = copy.deepcopy(samples)
+    with capture_combine_weights(recompute) as calls:
+        _prepare(recompute, samples)
+    ids, weights = _flat(samples, "rollout_routes").long(), _flat(samples, "rollout_route_weights")
+    assert len(calls) == ids.shape[1]
+    for m in range(ids.shape[1]):
+        ((probs, _),) = calls[m]
+        megatron = probs.gather(1, ids[:, m])
+        assert float(megatron.sum()) > 0.5 * ids.shape[0]  # the ids are the routed ones
+        error = (megatron - weights[:, m]).abs().max().item()
+        assert error < 2e-6, (m, error)
+    metrics = recompute.forward_backward(samples)
+    grads = gather_full_state(recompute.model, grads=True)
+    replayed = make_engine("replayed")
+    _prepare(replayed, twins)
+    gap = max(
+        (a.old_log_probs - b.old_log_probs).abs().max().item() for a, b in zip(samples, twins)
+    )
+    assert gap < 1e-5, gap
+    replayed_metrics = replayed.forward_backward(twins)
+    replayed_grads = gather_full_state(replayed.model, grads=True)
+    assert metrics["routing_replay_weights_replayed"] == 0.0
+    assert replayed_metrics["routing_replay_weights_replayed"] == 1.0
+    assert replayed_metrics["routing_mismatch_vs_rollout"] == 0.0
+    loss, replayed_loss = float(metrics["loss"]), float(replayed_metrics["loss"])
+    assert abs(loss - replayed_loss) <= 1e-5 * max(abs(loss), 1e-3), (loss, replayed_loss)
+    last = max(int(name.split(".")[2]) for name in grads if name.endswith("mlp.router.weight"))
+    downstream = (
+        f"decoder.layers.{last}.mlp.experts.",
+        f"decoder.layers.{last}.mlp.shared",
+        "decoder.final_layernorm",
+        "output_layer",
+    )
+    compared = 0
+    for name, grad in grads.items():
+        if name.startswith(downstream):
+            error = relative_error(replayed_grads[name], grad)
+            assert error < 1e-5, (name, error)
+            compared += 1
+    assert compared >= 10, compared
+
+
+def check_r3_replayed_engine_weights_equal_recompute_qwen3_moe() -> None:
+    _r3_replayed_equals_recompute(
+        lambda weights: _engine("r3", model__init_std=0.2, algo__routing_replay_weights=weights)
+    )
+
+
+def check_r3_replayed_engine_weights_equal_recompute_glm4() -> None:
+    """GLM-4.5's family: sigmoid scores, a non-zero correction bias, groups, routed scaling."""
+    _r3_replayed_equals_recompute(lambda weights: _glm4_engine(weights, mode="r3"))
+
+
+def check_r3_replays_a_bf16_engines_weights() -> None:
+    """A bfloat16 embedded engine: its combine weights are bf16 values, which differ from the
+    float32 trainer's recomputed ones at the same ids (a float64 evaluation of Qwen3-MoE's rule
+    on the trainer's router logits) by bf16 rounding, not more; under R3 + replayed the trainer's routers
+    hand exactly the engine's weights to the dispatcher (zero off its ids), in the old-log-prob
+    and training forwards, and the loss depends on them: the same samples with one expert's
+    weight scaled by 0.8 on every row give a different ratio."""
+    from megatron_gspo.engine.hf_import_export import iter_hf_weights
+    from megatron_gspo.rollout.embedded import EmbeddedEngine
+
+    engine = _engine("r3", model__init_std=0.2, algo__routing_replay_weights="replayed")
+    rollout = EmbeddedEngine(engine.cfg.model, seed=0, dtype=torch.bfloat16)
+    rollout.sync_weights(iter_hf_weights(engine.policy_chunks, engine.cfg), version=1)
+    samples = _samples_with_engine_weights(engine, rollout, count=6)
+    ids, weights = _flat(samples, "rollout_routes").long(), _flat(samples, "rollout_route_weights")
+    assert torch.equal(weights, weights.bfloat16().float())  # Qwen3's router casts to bf16
+    with capture_combine_weights(engine) as calls:
+        _prepare(engine, samples)
+    recompute_gap = 0.0
+    for m in range(MOE_LAYERS):
+        ((probs, native),) = calls[m]
+        assert torch.equal(probs.gather(1, ids[:, m]), weights[:, m]), m
+        assert float(probs.sum()) == float(probs.gather(1, ids[:, m]).sum())  # zero elsewhere
+        # Float64 Qwen3-MoE rule at the engine's ids from the trainer's own router logits.
+        own = native.gather(1, ids[:, m])
+        own = own / own.sum(-1, keepdim=True)
+        recompute_gap = max(recompute_gap, (own - weights[:, m].double()).abs().max().item())
+    # Different (bf16 rounding moved them), yet the same routing's weights (not other ids').
+    assert 1e-4 < recompute_gap < 0.1, recompute_gap
+    with capture_combine_weights(engine) as calls:
+        metrics = engine.forward_backward(samples)
+    for m in range(MOE_LAYERS):
+        ((probs, _),) = calls[m]
+        assert torch.equal(probs.gather(1, ids[:, m]), weights[:, m]), m
+    assert metrics["routing_replay_weights_replayed"] == 1.0
+    assert metrics["seq_log_ratio_abs_max"] == 0.0, metrics["seq_log_ratio_abs_max"]
+    perturbed = copy.deepcopy(samples)
+    for sample in perturbed:
+        sample.rollout_route_weights[..., 0] *= 0.8
+    metrics = engine.forward_backward(perturbed)
+    assert metrics["seq_log_ratio_abs_max"] > 1e-4, metrics["seq_log_ratio_abs_max"]
 
 
 CHECKS = {name[len("check_") :]: fn for name, fn in globals().items() if name.startswith("check_")}

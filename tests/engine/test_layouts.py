@@ -6,7 +6,7 @@ writes its errors per rank. Model: tiny Qwen3-MoE (4 layers, hidden 64, 8 expert
 64, load-balancing loss on), Qwen2-MoE (shared expert, q/k/v bias, dense first layer) and dense
 Qwen3 with tied embeddings, GLM-4.5 (``glm4``: sigmoid routing with a non-zero correction bias
 that the step updates from token counts all-reduced over tp x cp x dp, groups, scaling, shared
-expert, partial RoPE; in dp2, tp2, ep2 and pp2, the updated bias bit for bit), DeepSeek-V3
+expert, partial RoPE; in dp2, tp2, ep2, pp2 and cp2, the updated bias bit for bit), DeepSeek-V3
 (``deepseek``: GLM-4.5's router with multi-head latent attention and YaRN; dp2, ep2, pp2; tp and cp
 are refused at start on CPU); 8 samples of different lengths, two micro-batches in every layout.
 The MoE case also runs with each rollout correction (token TIS, token mask, geometric-mean
@@ -95,7 +95,7 @@ LAUNCHES = {
         "qwen2:pp2",
         "dense:pp2",
         "dense:cp2",
-        *(f"glm4:{layout}" for layout in ("dp2", "tp2", "ep2", "pp2")),
+        *(f"glm4:{layout}" for layout in ("dp2", "tp2", "ep2", "pp2", "cp2")),
         # MLA: tp and cp are refused at start on CPU (test_deepseek_v3_refuses_tp_and_cp).
         *(f"deepseek:{layout}" for layout in ("dp2", "ep2", "pp2")),
         *(f"{case}:{layout}" for case in CORRECTIONS for layout in ("dp2", "cp2", "pp2")),

@@ -23,6 +23,13 @@ One process (``routing_replay_worker.py --checks``, a fresh process):
   replay (the bias selects, never weighs) while a router move changes the weights; the metric
   ``routing_replay_weights_replayed`` says which; R3 with the embedded engine loaded with the
   trainer's weights and bias gives the engine's log-probs to fp32 tolerance.
+* R3 with ``routing_replay_weights=replayed`` (the embedded engine's combine weights, reported
+  beside its ids): in float32 the engine's weights equal Megatron's recomputed ones at the same
+  ids to rounding, and R3 + replayed gives R3 + recompute's old log-probs, loss and the
+  gradients the routers' path does not reach, for Qwen3-MoE (softmax) and GLM-4.5 (sigmoid,
+  correction bias, groups, scaling); with a bfloat16 engine the trainer's routers hand exactly
+  the engine's weights (bf16 values, not the trainer's recompute) to the dispatcher, and scaling
+  them changes the ratio.
 
 Several processes (gloo): the old-log-prob forward (R2: record; R3: replay random routes and
 record), a training step replaying random routes and a one-sample step (filler micro-batches on
@@ -57,6 +64,9 @@ CHECKS = [
     "glm4_r2_replayed_weights_reproduce_the_old_forward",
     "glm4_r2_recomputed_weights_follow_the_router_not_the_bias",
     "glm4_r3_log_probs_match_the_embedded_engine",
+    "r3_replayed_engine_weights_equal_recompute_qwen3_moe",
+    "r3_replayed_engine_weights_equal_recompute_glm4",
+    "r3_replays_a_bf16_engines_weights",
 ]
 LAUNCHES = {
     2: ["r2:ep2", "r3:cp2", "r2:pp2.vpp2.recompute", "r2w:pp2.vpp2.recompute"],

@@ -14,8 +14,8 @@ from megatron_gspo.envs.tools import run_tool, tool_limits
 
 class ScriptedEnvironment(Environment):
     """Answers every turn with ``observation`` (token ids) and ends after ``turns`` turns; turn
-    ``k`` earns ``turn_reward * (k + 1)``. ``fail_at``: raise at that turn (-1: never);
-    ``context``: extra ids before the prompt's."""
+    ``k`` earns ``turn_reward * (k + 1)``. ``fail_at``: raise at that turn (-1: never;
+    ``"reset"``: raise in ``reset``); ``context``: extra ids before the prompt's."""
 
     def __init__(
         self,
@@ -25,7 +25,7 @@ class ScriptedEnvironment(Environment):
         observation: Sequence[int] = (5, 6, 7),
         stop_token_ids: Sequence[int] = (),
         turn_reward: float = 0.0,
-        fail_at: int = -1,
+        fail_at: int | str = -1,
         context: Sequence[int] = (),
     ):
         self.turns, self.observation = turns, list(observation)
@@ -34,6 +34,8 @@ class ScriptedEnvironment(Environment):
         self.seen: list[list[int]] = []
 
     def reset(self, prompt) -> EnvStart:
+        if self.fail_at == "reset":
+            raise RuntimeError("scripted failure in reset")
         return EnvStart(
             context_ids=[*self.context, *prompt.prompt_ids], stop_token_ids=self.stop_token_ids
         )

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 
+from megatron_gspo.engine.batches import validate_samples
 from megatron_gspo.envs.single_turn import SingleTurnEnvironment
 from megatron_gspo.production.sampling import Sampling
 from megatron_gspo.production.single_turn import SingleTurnProducer
@@ -200,6 +201,19 @@ def test_a_failing_environment_aborts_its_trajectory_and_is_counted(embedded, to
         assert not sample.loss_mask.any()
         assert sample.group_id < 0  # a group of its own
     assert scored.metrics["env/step_errors"] == len(scored.samples)
+
+
+def test_a_failed_reset_aborts_its_trajectory_with_a_masked_response(embedded, tokenizer):
+    """An environment whose ``reset`` raises never reaches the engine: its sample is the prompt
+    and one masked filler token (every trained sample needs a response token), out of the loss,
+    and the batch still passes the training engine's checks."""
+    cfg = train_config(env={"options": {"fail_at": "reset"}})
+    scored = produce(embedded, tokenizer, cfg)
+    for sample in scored.samples:
+        assert sample.finish_reason == "abort" and sample.group_id < 0
+        assert sample.response_length == 1 and not sample.loss_mask.any()
+    assert scored.metrics["env/step_errors"] == len(scored.samples)
+    validate_samples(scored.samples, need_old=False, need_advantages=False, need_ref=False)
 
 
 def test_the_single_turn_environment_makes_the_single_turn_samples(embedded, tokenizer):

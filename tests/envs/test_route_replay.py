@@ -18,7 +18,10 @@ CHECKS = [
     "episodes_have_several_turns",
     "replay_reproduces_every_turn",
     "wrong_observation_routes_change_later_turns",
+    "route_weights_sit_at_their_ids",
+    "replayed_weights_reproduce_every_turn",
     "an_update_moves_towards_positive_advantages",
+    "episodes_that_failed_at_reset_train_beside_the_others",
 ]
 
 

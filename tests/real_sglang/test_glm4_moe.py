@@ -12,9 +12,9 @@ that dropped a synced weight would leave the trainer-vs-SGLang log-prob gap far 
 rounding (under R3 the bias only chooses experts, which are replayed: the bias is the generation
 test's).
 
-One server for the module, beside the package's Qwen3-MoE one. Slow tier (``--full``): its own
-server's start and SGLang's 15 s shutdown, about 50 s of CI's budget with the two steps; CI keeps
-the GLM-4.5 engine, conversion, layouts and replay on the embedded engine and Megatron.
+Then a GSPO run (no replay: the trainer routes by itself) against the same server. One server
+for the module, beside the package's Qwen3-MoE one; in CI (its start, two 2-step runs and
+SGLang's shutdown: about 80 s of one worker).
 """
 
 from __future__ import annotations
@@ -62,8 +62,6 @@ GLM4_OVERRIDES = tuple(
     if key != "architecture"
 ) + ("model.architecture=glm4_moe",)
 PROMPTS = [[1, 2, 3], [7, 7, 1, 0, 5], [4], [9, 8, 7, 6, 5, 4, 3]]
-
-pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
@@ -213,29 +211,47 @@ def test_a_synced_correction_bias_steers_sglang_routes(reference, glm_server):
         engine.close()
 
 
-def test_grpo_with_r3_trains_against_sglang(glm_server, monkeypatch, tmp_path):
-    """Two GRPO + R3 steps of a fresh glm4_moe trainer against the server: the trainer's weights
-    (a zero correction bias among them) are synced at start and after each step; the old
-    log-probs, recomputed replaying SGLang's routes, stay within float32 rounding of SGLang's."""
-    monkeypatch.setenv(API_KEY_ENV, glm_server.api_key)
+def _train_against(glm_server, tmp_path, name: str, overrides: list[str]) -> list[dict]:
+    """Two steps of a fresh glm4_moe trainer against the server: the trainer's weights (a zero
+    correction bias among them) are synced at start and after each step; the old log-probs are
+    recomputed by the trainer and compared with SGLang's (``rollout_log_prob_abs_diff``)."""
     launch = run_train(
-        tmp_path / "glm4_r3",
+        tmp_path / name,
         [
             "steps=2",
             *TINY,
             *GLM4_OVERRIDES,
             "rollout.engine=sglang",
             f"rollout.sglang.urls=[{glm_server.url}]",
-            *GRPO,
-            "algo.routing_replay=r3",
             "rollout.weight_transport=tensor",
+            *overrides,
         ],
         timeout=300,
     )
     records = launch.metrics()
     assert_required_metrics(records, steps=2)
     for record in records:
-        assert record["rollout_log_prob_abs_diff"] < 2e-6, record["rollout_log_prob_abs_diff"]
-        assert record["routing_mismatch_vs_rollout"] == 0.0
         assert record["weight_sync_bytes"] > 0
     assert glm_server.get("/model_info")["weight_version"] == "2"
+    return records
+
+
+def test_gspo_trains_against_sglang(glm_server, monkeypatch, tmp_path):
+    """GSPO (the default loss, no replay): the trainer routes by itself, with the synced zero
+    bias, as SGLang does; the gap stays at float32 rounding unless a near-tie flips a route, and
+    the policy moves."""
+    monkeypatch.setenv(API_KEY_ENV, glm_server.api_key)
+    records = _train_against(glm_server, tmp_path, "glm4_gspo", [])
+    for record in records:
+        assert record["rollout_log_prob_abs_diff"] < 1e-5, record["rollout_log_prob_abs_diff"]
+    assert records[-1]["grad_norm"] > 0
+
+
+def test_grpo_with_r3_trains_against_sglang(glm_server, monkeypatch, tmp_path):
+    """Two GRPO + R3 steps: the old log-probs, recomputed replaying SGLang's routes, stay within
+    float32 rounding of SGLang's and no route differs."""
+    monkeypatch.setenv(API_KEY_ENV, glm_server.api_key)
+    records = _train_against(glm_server, tmp_path, "glm4_r3", [*GRPO, "algo.routing_replay=r3"])
+    for record in records:
+        assert record["rollout_log_prob_abs_diff"] < 2e-6, record["rollout_log_prob_abs_diff"]
+        assert record["routing_mismatch_vs_rollout"] == 0.0

@@ -70,6 +70,15 @@ def _assert_same(results, expected, exact=True):
         np.testing.assert_array_equal(got.output_weight_versions, want.output_weight_versions)
 
 
+def test_route_weights_are_refused_before_any_call(model_config):
+    """SGLang's return_routed_experts carries ids only: a request for the routers' combine
+    weights (R3 with replayed weights) is refused, never answered without them (no server
+    needed: the client refuses before sending)."""
+    client = _client(model_config, ["http://127.0.0.1:9"])
+    with pytest.raises(ValueError, match="returns expert ids only"):
+        client.generate(_requests(1, return_routed_expert_weights=True))
+
+
 def test_generate_equals_in_process_engine(served, model_config):
     engine, server = served
     requests_ = _requests(5, stop_token_ids=[7])

@@ -145,6 +145,45 @@ def test_routes_are_top_k_of_recomputed_router_logits(architecture):
             np.testing.assert_array_equal(result.routed_experts[:, layer, :], expected)
 
 
+@pytest.mark.parametrize(
+    "architecture", ["qwen3_moe", "mixtral", "qwen2_moe", "glm4_moe", "deepseek_v3"]
+)
+def test_route_weights_are_the_routers_weights_at_the_reported_ids(architecture):
+    """``return_routed_expert_weights``: float32 ``[L - 1, M, K]`` beside the ids, each the
+    weight the router returned for that expert (its second output: what its MoE block multiplies
+    the expert's output by), as one forward over the whole sequence gives them; read here from
+    hooks of this test's own on every router, every router class (softmax with and without
+    renormalisation, Mixtral's, sigmoid with a correction bias, groups and scaling)."""
+    from megatron_gspo.rollout.hf_model import decoder_layers, moe_layer_indices
+
+    engine = EmbeddedEngine(tiny_model_config(architecture), seed=5)
+    requests = _requests(return_routed_experts=True, return_routed_expert_weights=True)
+    gates = [
+        decoder_layers(engine.hf_model)[i].mlp.gate for i in moe_layer_indices(engine.hf_model)
+    ]
+    for request, result in zip(requests, engine.generate(requests)):
+        ids, weights = result.routed_experts.astype(np.int64), result.routed_expert_weights
+        assert weights.dtype == np.float32 and weights.shape == ids.shape
+        outputs = []
+        handles = [
+            g.register_forward_hook(lambda m, i, o, outputs=outputs: outputs.append(o))
+            for g in gates
+        ]
+        try:
+            with torch.no_grad():
+                engine.hf_model(input_ids=torch.tensor([_tokens(request, result)[:-1]]))
+        finally:
+            for handle in handles:
+                handle.remove()
+        for layer, (_, expected_weights, expected_ids) in enumerate(outputs):
+            match = torch.from_numpy(ids[:, layer, :, None]) == expected_ids[:, None, :]
+            same_set = match.any(-1).all(-1)
+            assert float(same_set.float().mean()) > 0.95, architecture
+            at_ids = (match.float() * expected_weights.float()[:, None, :]).sum(-1)
+            gap = (at_ids - torch.from_numpy(weights[:, layer]))[same_set].abs().max()
+            assert float(gap) < 1e-5, (architecture, layer, float(gap))
+
+
 def test_stop_token_and_length(engine):
     request = _requests(1, max_new_tokens=40, temperature=1.0)[0]
     free_run = engine.generate([request])[0]
@@ -241,12 +280,17 @@ def test_in_place_pause_freezes_generation_and_sync_lands_between_steps(model_co
 
 def test_partial_sample_keeps_the_routes_of_the_forward_that_processed_each_token(model_config):
     """R3 with a weight sync mid-sample: every route row comes from the forward that processed
-    its token (the old weights' rows are kept, not replaced by the new weights' choice)."""
+    its token (the old weights' rows are kept, not replaced by the new weights' choice); so does
+    every row's combine weights, beside its ids."""
     engine = EmbeddedEngine(model_config, seed=1)
     reference = EmbeddedEngine(model_config, seed=1)  # the old weights throughout
     donor = EmbeddedEngine(model_config, seed=2)
     request = GenerateRequest(
-        input_ids=[1, 2, 3], max_new_tokens=250, seed=7, return_routed_experts=True
+        input_ids=[1, 2, 3],
+        max_new_tokens=250,
+        seed=7,
+        return_routed_experts=True,
+        return_routed_expert_weights=True,
     )
     outcome = {}
     worker = threading.Thread(target=lambda: outcome.update(result=engine.generate([request])[0]))
@@ -268,6 +312,11 @@ def test_partial_sample_keeps_the_routes_of_the_forward_that_processed_each_toke
     new_rows = result.routed_experts[old_rows:]
     assert new_rows.shape[0] == result.response_length - switch
     assert (new_rows != old.routed_experts[old_rows : old_rows + len(new_rows)]).any()
+    weights, old_weights = result.routed_expert_weights, old.routed_expert_weights
+    assert weights.shape == result.routed_experts.shape
+    np.testing.assert_array_equal(weights[:old_rows], old_weights[:old_rows])
+    new_weights = weights[old_rows:]
+    assert (new_weights != old_weights[old_rows : old_rows + len(new_weights)]).any()
 
 
 def test_flush_refused_while_generating(engine):

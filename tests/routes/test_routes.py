@@ -10,6 +10,7 @@ from megatron_gspo.rollout import GenerateResult
 from megatron_gspo.samples.routes import (
     RouteError,
     balanced_pad_routes,
+    check_route_weights,
     check_routes,
     route_dtype,
     route_numpy_dtype,
@@ -80,3 +81,46 @@ def test_route_shape_rule_is_the_rollout_results():
     GenerateResult(**result, routed_experts=np.zeros((4, 3, 2), dtype=np.uint8))
     with pytest.raises(ValueError, match=r"expected \[4, M, K\]"):
         GenerateResult(**result, routed_experts=np.zeros((5, 3, 2), dtype=np.uint8))
+
+
+def test_check_route_weights_names_the_problem():
+    """Route weights sit beside their ids: float32, the ids' shape, finite and >= 0."""
+    routes = torch.tensor([[[0, 1]], [[2, 3]]], dtype=torch.uint8)
+    good = torch.tensor([[[0.75, 0.25]], [[0.5, 0.5]]])
+    kwargs = dict(where="sample 7 (group 1)", routes=routes, source="x")
+    assert check_route_weights(good, **kwargs) is good
+    negative = good.clone()
+    negative[1, 0, 1] = -0.5
+    cases = [
+        (None, "missing"),
+        (good[:1], "shape"),
+        (good.double(), "float32"),
+        (good.bfloat16(), "float32"),
+        (good.masked_fill(good > 0.6, float("nan")), "token 0, MoE layer 0"),
+        (negative, "token 1, MoE layer 0"),
+    ]
+    for weights, fragment in cases:
+        with pytest.raises(RouteError, match=fragment) as error:
+            check_route_weights(weights, **kwargs)
+        assert "sample 7 (group 1)" in str(error.value)
+
+
+def test_rollout_results_route_weights_match_their_ids():
+    result = dict(
+        request_id="r",
+        output_ids=[5, 6],
+        output_log_probs=None,
+        finish_reason="stop",
+        prompt_length=3,
+        weight_version=0,
+        routed_experts=np.zeros((4, 3, 2), dtype=np.uint8),
+    )
+    GenerateResult(**result, routed_expert_weights=np.zeros((4, 3, 2), dtype=np.float32))
+    for weights in (np.zeros((4, 3, 1), np.float32), np.zeros((4, 3, 2), np.float64)):
+        with pytest.raises(ValueError, match="do not match the routed experts"):
+            GenerateResult(**result, routed_expert_weights=weights)
+    with pytest.raises(ValueError, match="do not match the routed experts"):
+        GenerateResult(
+            **{**result, "routed_experts": None},
+            routed_expert_weights=np.zeros((4, 3, 2), np.float32),
+        )

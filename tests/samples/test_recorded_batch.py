@@ -30,6 +30,8 @@ def _samples() -> list[TrainSample]:
         rollout_log_probs=torch.randn(3, generator=generator),
         rollout_weight_versions=torch.tensor([4, 4, 5]),
         rollout_routes=torch.randint(0, 200, (4, 2, 2), generator=generator, dtype=torch.uint8),
+        # R3 with replayed weights: the engine's combine weights beside the ids, float32.
+        rollout_route_weights=torch.rand(4, 2, 2, generator=generator),
         turns=torch.tensor([0, -1, 1], dtype=torch.int16),
         turn_rewards=torch.tensor([0.25, 1 / 3], dtype=torch.float64),
         reward=1 / 7,

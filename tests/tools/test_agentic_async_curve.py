@@ -1,13 +1,19 @@
-"""tools/agentic_async_curve.py: the commands of the two runs, and the summary, table and plot
-made from their metrics.jsonl (re-read with --plot-only)."""
+"""tools/agentic_async_curve.py: the commands of the runs per seed, and the summary over seeds
+(means with intervals, the paired difference), table and plot made from their metrics.jsonl
+(re-read with --plot-only)."""
 
 from __future__ import annotations
 
 import importlib.util
 import json
+import math
+import statistics
+import warnings
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
+# Student's t 0.975 quantile with 2 degrees of freedom (tables; scipy.stats.t.ppf(0.975, 2)).
+T_975_2 = 4.302652729911275
 
 
 def load_tool():
@@ -19,37 +25,122 @@ def load_tool():
     return module
 
 
+def write_run(directory: Path, rewards: list[float], tool_success: float = 0.9) -> None:
+    directory.mkdir(parents=True)
+    lines = [
+        {"step": step, "reward_mean": reward, "env/tool_success_frac": tool_success}
+        for step, reward in enumerate(rewards)
+    ]
+    (directory / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+
+
 def test_the_runs_differ_only_in_the_asynchronous_settings(tmp_path):
     tool = load_tool()
-    args = tool.parse_args(["--out", str(tmp_path), "--steps", "4", "seed=3"])
-    sync = tool.command("sync", tmp_path / "sync", args)
-    asynchronous = tool.command("async", tmp_path / "async", args)
+    args = tool.parse_args(["--out", str(tmp_path), "--steps", "4", "logging.tensorboard=false"])
+    sync = tool.command("sync", 7, tmp_path / "sync", args)
+    asynchronous = tool.command("async", 7, tmp_path / "async", args)
     assert [a for a in asynchronous if a not in sync] == [
         "rollout.max_staleness=1",
         "algo.rollout_correction.level=sequence",
         f"output_dir={tmp_path / 'async'}",
     ]
     assert sync[sync.index("--preset") + 1] == "cpu_tool_use"
-    assert "steps=4" in sync and "seed=3" in sync
+    assert "steps=4" in sync and "seed=7" in sync
+    # A seed given among the overrides comes after the tool's and wins.
+    overridden = tool.command("sync", 7, tmp_path, tool.parse_args(["--out", "o", "seed=3"]))
+    assert overridden.index("seed=3") > overridden.index("seed=7")
 
 
-def test_summary_table_and_plot_from_runs(tmp_path, capsys):
+def test_seeds_start_at_the_presets_own_seed(tmp_path):
+    from megatron_gspo.config import ConfigWarning
+    from megatron_gspo.config.loader import load_config
+
+    tool = load_tool()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ConfigWarning)
+        assert load_config("cpu_tool_use", []).seed == tool.PRESET_SEED
+    assert tool.parse_args(["--out", "o"]).seed_list == [tool.PRESET_SEED]
+    three = tool.parse_args(["--out", "o", "--seeds", "3"]).seed_list
+    assert three == [tool.PRESET_SEED, tool.PRESET_SEED + 1, tool.PRESET_SEED + 2]
+    assert tool.parse_args(["--out", "o", "--seed-list", "5", "9"]).seed_list == [5, 9]
+    assert tool.run_directory(tmp_path, 9, "async") == tmp_path / "seed_9" / "async"
+
+
+def test_summary_over_seeds_table_and_plot_from_runs(tmp_path, capsys):
+    """Three seeds; async - sync is +0.01, +0.03, +0.05 on every step of seeds 1, 2, 3: the
+    paired difference is 0.03 with the t interval of those three values, while the per-variant
+    intervals are wide (the seeds differ by 0.1)."""
     runs = tmp_path / "runs"
-    for variant, offset in (("sync", 0.0), ("async", 0.05)):
-        (runs / variant).mkdir(parents=True)
-        lines = [
-            {"step": step, "reward_mean": 0.5 + offset + 0.01 * step, "env/tool_success_frac": 0.9}
-            for step in range(6)
-        ]
-        (runs / variant / "metrics.jsonl").write_text(
-            "".join(json.dumps(line) + "\n" for line in lines)
-        )
+    offsets = {1: 0.01, 2: 0.03, 3: 0.05}
+    for seed, offset in offsets.items():
+        base = [0.5 + 0.1 * seed + 0.01 * step for step in range(6)]
+        write_run(runs / f"seed_{seed}" / "sync", base)
+        write_run(runs / f"seed_{seed}" / "async", [reward + offset for reward in base], 0.8)
+    (runs / "seed_2" / "sync" / "run.json").write_text(json.dumps({"wall_s": 12.5}))
     out = tmp_path / "out"
     tool = load_tool()
-    assert tool.main(["--out", str(out), "--runs", str(runs), "--plot-only", "--last", "2"]) == 0
+    arguments = ["--out", str(out), "--runs", str(runs), "--plot-only", "--last", "2"]
+    assert tool.main([*arguments, "--seed-list", "1", "2", "3"]) == 0
     summary = json.loads((out / "summary.json").read_text())
-    assert summary["sync"]["reward_first"] == 0.5
-    assert abs(summary["async"]["reward_mean_last_2"] - (0.59 + 0.60) / 2) < 1e-12
+    assert summary["seeds"] == [1, 2, 3]
+    sync = summary["variants"]["sync"]
+    seed_two = sync["per_seed"]["2"]
+    assert seed_two["reward_first"] == 0.7 and seed_two["wall_s"] == 12.5
+    assert "wall_s" not in sync["per_seed"]["1"]
+    assert math.isclose(seed_two["reward_mean_last_2"], (0.74 + 0.75) / 2, rel_tol=1e-12)
+    # The area per step of a straight line is its middle value.
+    assert math.isclose(seed_two["reward_auc"], 0.725, rel_tol=1e-12)
+    # Over seeds: the last-2 means are 0.645, 0.745, 0.845 (spread 0.1).
+    final = sync["reward_mean_last_2"]
+    half = T_975_2 * 0.1 / math.sqrt(3)
+    assert math.isclose(final["mean"], 0.745, rel_tol=1e-12) and final["n"] == 3
+    assert math.isclose(final["high"] - final["mean"], half, rel_tol=1e-6)
+    paired = summary["paired"]["async - sync"]["reward_mean_last_2"]
+    half = T_975_2 * statistics.stdev([0.01, 0.03, 0.05]) / math.sqrt(3)
+    assert math.isclose(paired["mean"], 0.03, rel_tol=1e-9)
+    assert math.isclose(paired["low"], 0.03 - half, rel_tol=1e-6)
+    assert paired["excludes_zero"] is False and paired["seeds"] == [1, 2, 3]
+    assert math.isclose(summary["paired"]["async - sync"]["reward_auc"]["mean"], 0.03)
     table = (out / "summary.md").read_text()
-    assert "| 3 | 0.530 | 0.900 | 0.580 | 0.900 |" in table and table in capsys.readouterr().out
+    assert table in capsys.readouterr().out
+    # The mean curve: step 3's sync reward over seeds is 0.5 + 0.2 + 0.03.
+    assert "| 3 | 0.730 | 0.900 | 0.760 | 0.800 |" in table
+    assert "| 2 | 0.745 | 0.725 | 0.775 | 0.755 | +0.030 |" in table
+    assert "| `async - sync` (paired) | 0.030 [" in table
+    assert "no difference detected: the interval contains zero" in table
     assert (out / "reward.png").stat().st_size > 0
+
+
+def test_one_seed_gives_no_interval(tmp_path):
+    """The default, one seed (the preset's): values, no interval. The curves bend, so the
+    area (trapezoids) differs from the mean of the points."""
+    runs = tmp_path / "runs"
+    write_run(runs / "seed_1234" / "sync", [0.5, 0.5, 0.8])
+    write_run(runs / "seed_1234" / "async", [0.5, 0.6, 0.8])
+    out = tmp_path / "out"
+    assert load_tool().main(["--out", str(out), "--runs", str(runs), "--plot-only"]) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert math.isclose(summary["variants"]["sync"]["reward_auc"]["mean"], 0.575)
+    paired = summary["paired"]["async - sync"]["reward_mean_last_10"]
+    assert math.isclose(paired["mean"], 0.1 / 3) and paired["low"] is None
+    assert math.isclose(summary["paired"]["async - sync"]["reward_auc"]["mean"], 0.05)
+    assert "one seed: no interval" in (out / "summary.md").read_text()
+
+
+def test_reuse_skips_the_runs_already_finished(tmp_path, monkeypatch):
+    """--reuse starts no run whose record the tool left. Starting a process fails here: a
+    broken --reuse stops the test at once instead of training for an hour."""
+
+    def no_process(*args, **kwargs):
+        raise AssertionError(f"a run was started: {args}")
+
+    tool = load_tool()
+    monkeypatch.setattr(tool.subprocess, "Popen", no_process)
+    runs = tmp_path / "runs"
+    for variant in tool.VARIANTS:
+        write_run(runs / "seed_4" / variant, [0.5, 0.6])
+        (runs / "seed_4" / variant / tool.RUN_RECORD).write_text(json.dumps({"wall_s": 1.0}))
+    out = tmp_path / "out"
+    assert tool.main(["--out", str(out), "--runs", str(runs), "--seed-list", "4", "--reuse"]) == 0
+    assert not (runs / "seed_4" / "sync.log").exists()
+    assert json.loads((out / "summary.json").read_text())["seeds"] == [4]
