@@ -44,6 +44,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     )
 
 
+# tryfirst: pytest-xdist's own hook in each worker turns the xdist_group marks into the node ids
+# that --dist loadgroup schedules by; marks added after it do not group anything.
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     group_for_workers(items)
     if config.getoption("--full") or os.environ.get("MEGATRON_GSPO_FULL_TESTS") == "1":
