@@ -125,31 +125,39 @@ class RouteRecorder:
 
     def pop(self, batch_size: int, seq_len: int) -> list[torch.Tensor]:
         """Per MoE layer ``[batch_size, seq_len, K]`` ids of the last forward, then clear."""
-        routes = []
-        for slot, records in enumerate(self._records):
-            if len(records) != 1:
-                raise RuntimeError(
-                    f"MoE layer {self.layer_indices[slot]} recorded {len(records)} router calls "
-                    "in one forward; expected exactly 1"
-                )
-            routes.append(records[0].reshape(batch_size, seq_len, -1))
-            records.clear()
-        return routes
+        return self._take(self._records, batch_size, seq_len, "router calls")
 
     def pop_weights(self, batch_size: int, seq_len: int) -> list[torch.Tensor]:
         """Per MoE layer ``[batch_size, seq_len, K]`` float32 top-k weights of the last forward
         (recorded with :attr:`record_weights`), in the order of the ids :meth:`pop` returns,
         then clear."""
-        weights = []
-        for slot, records in enumerate(self._weight_records):
+        return self._take(
+            self._weight_records,
+            batch_size,
+            seq_len,
+            "router weights",
+            " (record_weights on for the forward)",
+        )
+
+    def _take(
+        self,
+        per_layer: list[list[torch.Tensor]],
+        batch_size: int,
+        seq_len: int,
+        what: str,
+        hint: str = "",
+    ) -> list[torch.Tensor]:
+        """The one record of each MoE layer as ``[batch_size, seq_len, K]``, then clear."""
+        taken = []
+        for slot, records in enumerate(per_layer):
             if len(records) != 1:
                 raise RuntimeError(
-                    f"MoE layer {self.layer_indices[slot]} recorded {len(records)} router weights "
-                    "in one forward; expected exactly 1 (record_weights on for the forward)"
+                    f"MoE layer {self.layer_indices[slot]} recorded {len(records)} {what} "
+                    f"in one forward; expected exactly 1{hint}"
                 )
-            weights.append(records[0].reshape(batch_size, seq_len, -1))
+            taken.append(records[0].reshape(batch_size, seq_len, -1))
             records.clear()
-        return weights
+        return taken
 
 
 def forward_with_routes(hf_model: Any, tokens: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
