@@ -12,6 +12,7 @@ built once per session (about 5 s) and saved as a Hugging Face tokenizer directo
 
 from __future__ import annotations
 
+import collections
 import os
 from pathlib import Path
 
@@ -30,10 +31,19 @@ SHARED_FIXTURE_GROUPS = {
 """Fixtures too costly to build once per worker (a whole demo run; a real SGLang server): the
 tests that use one run in one worker (pytest-xdist's ``--dist loadgroup``)."""
 
+WAIT_FOR_A_BUILD_BESIDE = ("tests/real_sglang/",)
+"""Tests that wait for what ``.ci/run`` builds beside the suite (the SGLang venv: minutes,
+tests/real_sglang/server.py). They are scheduled after every other group, so that no worker
+idles while the build runs (323 s of one worker's time before they were)."""
+
 
 def pytest_configure(config: pytest.Config) -> None:
     # Registered here too, so that a run without pytest-xdist knows the mark.
     config.addinivalue_line("markers", "xdist_group(name): tests that one worker runs together")
+    if hasattr(config.option, "loadscopereorder"):
+        # pytest-xdist would sort the groups by their number of tests; they run in the order
+        # that order_for_workers gives the items instead.
+        config.option.loadscopereorder = False
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -49,6 +59,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     group_for_workers(items)
+    order_for_workers(items)
     if config.getoption("--full") or os.environ.get("MEGATRON_GSPO_FULL_TESTS") == "1":
         return
     slow = [item for item in items if item.get_closest_marker("slow") is not None]
@@ -69,6 +80,28 @@ def group_for_workers(items: list[pytest.Item]) -> None:
             item.nodeid.split("::")[0],
         )
         item.add_marker(pytest.mark.xdist_group(group))
+
+
+def worker_group(item: pytest.Item) -> str:
+    """The ``xdist_group`` that :func:`group_for_workers` gave ``item``."""
+    return item.get_closest_marker("xdist_group").args[0]
+
+
+def order_for_workers(items: list[pytest.Item]) -> None:
+    """Groups with more tests first, as pytest-xdist orders them (the larger modules start
+    early, the single-test ones fill the end), then the groups that wait for a build beside the
+    suite (:data:`WAIT_FOR_A_BUILD_BESIDE`); a group's tests keep their order."""
+    sizes = collections.Counter(worker_group(item) for item in items)
+    first_seen: dict[str, int] = {}
+    for index, item in enumerate(items):
+        first_seen.setdefault(worker_group(item), index)
+
+    def position(item: pytest.Item) -> tuple[bool, int, int]:
+        group = worker_group(item)
+        waits = item.nodeid.startswith(WAIT_FOR_A_BUILD_BESIDE)
+        return waits, -sizes[group], first_seen[group]
+
+    items.sort(key=position)
 
 
 def pytest_report_header(config: pytest.Config) -> str:

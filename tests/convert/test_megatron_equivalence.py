@@ -36,6 +36,22 @@ LOGIT_TOLERANCE = 1e-5
 FOUR_PROCESS_ARCHITECTURES = [a for a in ARCHITECTURES if a not in ("glm4_moe", "deepseek_v3")]
 """glm4_moe's tp2 x ep2 conversion is in the slow tier (test_glm4_moe_tp2_ep2): its layouts are in
 tests/engine/test_layouts.py, its mapping in test_one_process."""
+PP2_ARCHITECTURES = ("qwen3_moe", "qwen3")
+SLOW_FOUR_PROCESS_RUNS = {"mixtral_tp2_ep2", "qwen2_moe_tp2_ep2", "qwen3_moe_pp2_ep2"}
+"""Left to the full run (``--full``): CI gathers tp2 x ep2 shards of Qwen3-MoE and the dense
+Qwen3 (tp2 x dp2), and pp2 stages of the tied Qwen3 (the embedding's copy on the last stage);
+the other families' shards go through the same gather, and their mappings run in
+test_one_process."""
+
+
+def four_process_params(runs: list[tuple[str, str]]) -> list:
+    """``(run name, architecture)`` pairs as parameters, the slow ones marked."""
+    return [
+        pytest.param(architecture, marks=pytest.mark.slow, id=architecture)
+        if name in SLOW_FOUR_PROCESS_RUNS
+        else pytest.param(architecture, id=architecture)
+        for name, architecture in runs
+    ]
 BIAS_UPDATE_RATE = 0.01
 
 
@@ -89,19 +105,26 @@ def one_process(hf_root, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def four_processes(hf_root, tmp_path_factory):
+def four_processes(request, hf_root, tmp_path_factory):
     """tp2 + sequence parallel + ep2 (dp2) for every architecture (the dense Qwen3 as tp2 + dp2;
     Mixtral's vocabulary 127 padded to 128), then pp2 + ep2 (no forward: the pipeline schedule
     is the engine's business, the gather across stages is ours) for Qwen3-MoE and the tied
-    Qwen3, whose last stage holds a copy of the embedding that must not be exported twice."""
+    Qwen3, whose last stage holds a copy of the embedding that must not be exported twice.
+    Only the runs of the selected tests are launched (CI leaves SLOW_FOUR_PROCESS_RUNS out)."""
+    selected = {
+        f"{item.callspec.params['architecture']}_{item.originalname.removeprefix('test_')}"
+        for item in request.session.items
+        if item.originalname in ("test_tp2_ep2", "test_pp2_ep2") and item.module is request.module
+    }
     plan = [
         {"name": f"{a}_tp2_ep2", "architecture": a, "tp": 2, "ep": 2 if a != "qwen3" else 1}
         for a in FOUR_PROCESS_ARCHITECTURES
     ]
     plan += [
         {"name": f"{a}_pp2_ep2", "architecture": a, "pp": 2, "ep": 2 if a != "qwen3" else 1}
-        for a in ("qwen3_moe", "qwen3")
+        for a in PP2_ARCHITECTURES
     ]
+    plan = [run for run in plan if run["name"] in selected]
     return run_worker(hf_root, tmp_path_factory.mktemp("four_processes"), plan, nproc=4)
 
 
@@ -160,13 +183,17 @@ def test_one_process(architecture, hf_root, one_process):
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("architecture", FOUR_PROCESS_ARCHITECTURES)
+@pytest.mark.parametrize(
+    "architecture", four_process_params([(f"{a}_tp2_ep2", a) for a in FOUR_PROCESS_ARCHITECTURES])
+)
 def test_tp2_ep2(architecture, hf_root, four_processes):
     check_run(hf_root, four_processes, f"{architecture}_tp2_ep2", architecture, with_logits=True)
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("architecture", ["qwen3_moe", "qwen3"])
+@pytest.mark.parametrize(
+    "architecture", four_process_params([(f"{a}_pp2_ep2", a) for a in PP2_ARCHITECTURES])
+)
 def test_pp2_ep2(architecture, hf_root, four_processes):
     check_run(hf_root, four_processes, f"{architecture}_pp2_ep2", architecture, with_logits=False)
 

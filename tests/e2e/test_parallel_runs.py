@@ -27,8 +27,10 @@ LAYOUTS = {
 }
 
 
-SLOW_LAYOUTS = {"grpo-pp2.ep2"}
-"""Left to the full run (``--full``): tests/engine/test_layouts.py checks pp2 x ep2 in CI."""
+SLOW_LAYOUTS = {"gspo-tp2.ep2", "grpo-pp2.ep2"}
+"""Left to the full run (``--full``): tests/engine/test_layouts.py checks tp2 x ep2 and pp2 x ep2
+against one process in CI, and tests/e2e/test_multinode.py runs the whole loop in two processes
+under torchrun."""
 
 
 @pytest.mark.distributed

@@ -249,9 +249,11 @@ def test_four_process_layouts(reference_dir):
     _check_launch(4, _launch(4, reference_dir), reference_dir)
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 def test_eight_process_layout(reference_dir):
-    """tp2 + pp2 + ep2 + cp2: every kind of parallelism at once."""
+    """tp2 + pp2 + ep2 + cp2: every kind of parallelism at once (the full run: each dimension
+    runs in CI at 2 and 4 processes, above)."""
     _check_launch(8, _launch(8, reference_dir), reference_dir)
 
 

@@ -141,6 +141,8 @@ def test_two_process_layouts(reference_dir):
     _launch(2, reference_dir)
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 def test_four_process_layouts(reference_dir):
+    """The full run: each replayed dimension runs in CI at 2 processes (above)."""
     _launch(4, reference_dir)
