@@ -49,4 +49,3 @@ def test_each_module_runs_in_one_worker_and_the_waiting_ones_last():
     # the last of the four, so its worker runs another module first.
     (worker,) = workers[WAITING]
     assert runs[worker][0] != WAITING, runs
-

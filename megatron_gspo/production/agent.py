@@ -31,7 +31,8 @@ loss, a group of its own, ``agent/errors``). An episode the endpoint ended for i
 turn limit is truncated (finish reason ``length``).
 
 Seeds: the session of sample ``j`` of prompt ``i`` samples turn ``k`` with
-``derive_seed(derive_seed(s_i, j), k)``, ``s_i`` the prompt's seed, as the environments' episodes.
+``derive_turn_seed(derive_seed(s_i, j), k)``, ``s_i`` the prompt's seed, as the environments'
+episodes.
 """
 
 from __future__ import annotations

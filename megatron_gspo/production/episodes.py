@@ -53,9 +53,10 @@ trajectory that reaches one without the environment saying ``done`` is truncated
 appended. An environment that raises aborts its trajectory (finish reason ``abort``: out of the
 loss, a group of its own, ``env/step_errors``).
 
-Seeds: turn ``k`` of sample ``j`` of prompt ``i`` samples with ``derive_seed(derive_seed(s_i,
+Seeds: turn ``k`` of sample ``j`` of prompt ``i`` samples with ``derive_turn_seed(derive_seed(s_i,
 j), k)`` where ``s_i`` is the single-turn seed of prompt ``i``; turn 0 therefore samples exactly
-what one completion per sample would (``derive_seed(x, 0) = x``).
+what one completion per sample would (``derive_turn_seed(x, 0) = x``), and no two turns of a
+group share a seed.
 
 Reward: the sum of the turns' parts, plus the reward functions' weighted score when
 ``reward.functions`` is not empty (they see the whole response, observations included, as
@@ -98,7 +99,13 @@ from megatron_gspo.production.sampling import Sampling
 from megatron_gspo.production.scoring import score_responses
 from megatron_gspo.production.task import Task
 from megatron_gspo.reward import RewardRunner
-from megatron_gspo.rollout import GenerateRequest, GenerateResult, RolloutEngine, derive_seed
+from megatron_gspo.rollout import (
+    GenerateRequest,
+    GenerateResult,
+    RolloutEngine,
+    derive_seed,
+    derive_turn_seed,
+)
 from megatron_gspo.samples import TrainSample
 
 if TYPE_CHECKING:
@@ -414,7 +421,7 @@ class EnvironmentProducer(SampleProducer):
         requests = [
             self.sampling.request(
                 t.tokens,
-                seed=derive_seed(t.seed, t.num_turns),
+                seed=derive_turn_seed(t.seed, t.num_turns),
                 stop_token_ids=[*eos, *(s for s in t.stop_token_ids if s not in eos)],
                 max_new_tokens=min(per_turn, budget - t.response_length),
             )

@@ -12,6 +12,7 @@ from megatron_gspo.rollout.types import (
     RolloutEngine,
     RolloutEngineError,
     derive_seed,
+    derive_turn_seed,
     expand_samples,
     sync_weights_paused,
 )
@@ -22,6 +23,7 @@ __all__ = [
     "RolloutEngine",
     "RolloutEngineError",
     "derive_seed",
+    "derive_turn_seed",
     "expand_samples",
     "sync_weights_paused",
 ]

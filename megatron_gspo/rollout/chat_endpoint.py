@@ -66,7 +66,7 @@ from megatron_gspo.rollout.types import (
     GenerateResult,
     RolloutEngine,
     RolloutEngineError,
-    derive_seed,
+    derive_turn_seed,
 )
 
 if TYPE_CHECKING:
@@ -112,7 +112,7 @@ class SessionSettings:
     """How a session samples and where it stops (the run's sampling and ``agent.*`` limits)."""
 
     seed: int
-    """Turn ``k`` samples with ``derive_seed(seed, k)``."""
+    """Turn ``k`` samples with ``derive_turn_seed(seed, k)``."""
     response_budget: int
     """``algo.response_length``: tokens after the first context (model and appended)."""
     max_turns: int
@@ -435,7 +435,7 @@ class ChatEndpoint:
             top_p=settings.top_p,
             top_k=settings.top_k,
             stop_token_ids=settings.stop_token_ids,
-            seed=derive_seed(settings.seed, len(session.calls)),
+            seed=derive_turn_seed(settings.seed, len(session.calls)),
             return_logprob=True,
             return_routed_experts=settings.return_routes,
             return_routed_expert_weights=settings.return_route_weights,

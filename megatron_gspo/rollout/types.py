@@ -192,6 +192,21 @@ def derive_seed(seed: int, sample_index: int) -> int:
     return int.from_bytes(digest, "little") >> 1
 
 
+def derive_turn_seed(seed: int, turn: int) -> int:
+    """Seed of model turn ``turn`` of an episode whose sample has ``seed``.
+
+    Turn 0 keeps ``seed``, so an episode's first turn samples what one completion would. The
+    later turns hash ``(seed, "turn", turn)``, a domain of their own: with
+    ``derive_seed(seed, turn)`` instead, turn ``k`` of a prompt's sample 0 would draw the same
+    uniforms as turn 0 of its sample ``k`` (``derive_seed(derive_seed(s, 0), k) =
+    derive_seed(s, k)``), two samples of one group sharing their sampling noise.
+    """
+    if turn == 0:
+        return seed
+    digest = hashlib.blake2b(f"{seed}:turn:{turn}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
+
+
 def sample_request_id(request_id: str, sample_index: int, n: int) -> str:
     """Id of sample ``sample_index`` of ``n`` drawn for ``request_id`` (unchanged when n == 1)."""
     return request_id if n == 1 else f"{request_id}/{sample_index}"

@@ -52,6 +52,8 @@ def four_process_params(runs: list[tuple[str, str]]) -> list:
         else pytest.param(architecture, id=architecture)
         for name, architecture in runs
     ]
+
+
 BIAS_UPDATE_RATE = 0.01
 
 

@@ -23,7 +23,7 @@ from megatron_gspo.config import ConfigError
 from megatron_gspo.envs import EnvStart, EnvStep, Turn
 from megatron_gspo.production.sampling import Sampling
 from megatron_gspo.production.task import Task
-from megatron_gspo.rollout import derive_seed
+from megatron_gspo.rollout import derive_seed, derive_turn_seed
 from megatron_gspo.rollout.embedded import EmbeddedEngine
 from megatron_gspo.rollout.types import GenerateRequest, GenerateResult
 
@@ -77,7 +77,7 @@ def train_config(schedule: str, **env):
     options = {"observation": [OBS, 10], "turn_reward": 0.1, **env.pop("options", {})}
     return environment_config(
         env={"turn_scheduling": schedule, "options": options, **env},
-        algo={"response_length": 40, "rollout_batch_size": 3},
+        algo={"response_length": 28, "rollout_batch_size": 3},
         rollout={"embedded_max_batch_size": 1},
     )
 
@@ -149,19 +149,18 @@ def test_both_schedules_make_the_same_trajectories(engine, tokenizer):
 
 def turn_finder(cfg, batch: list) -> Callable[[GenerateRequest], tuple[int, int]]:
     """The (trajectory, turn) of a request of a call with ``batch`` at step 0, by its seed: turn
-    ``k`` of sample ``j`` of prompt ``i`` samples with ``derive_seed(derive_seed(s_i, j), k)``
-    (``production/episodes.py``). Turn ``k`` of sample 0 shares its seed with turn 0 of sample
-    ``k`` (``derive_seed(x, 0) = x``); a first turn's input is the prompt alone."""
+    ``k`` of sample ``j`` of prompt ``i`` samples with ``derive_turn_seed(derive_seed(s_i, j),
+    k)`` (``production/episodes.py``), each seed its own."""
     sampling, turns = Sampling.training(cfg), {}
     for i in range(len(batch)):
         for j in range(sampling.group_size):
             for k in range(cfg.env.max_turns):
-                seed = derive_seed(derive_seed(sampling.prompt_seed(0, i), j), k)
-                turns[seed, k > 0] = (i * sampling.group_size + j, k)
+                seed = derive_turn_seed(derive_seed(sampling.prompt_seed(0, i), j), k)
+                assert seed not in turns, f"turn {k} of sample {j} of prompt {i} reuses a seed"
+                turns[seed] = (i * sampling.group_size + j, k)
 
     def find(request: GenerateRequest) -> tuple[int, int]:
-        first = any(list(request.input_ids) == list(p.prompt_ids) for p in batch)
-        return turns[request.seed, not first]
+        return turns[request.seed]
 
     return find
 

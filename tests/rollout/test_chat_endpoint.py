@@ -115,9 +115,9 @@ def test_whole_conversation_harness_gives_the_engine_tokens(tokenizer, model_con
 
 
 def _turn_seed(index: int) -> int:
-    from megatron_gspo.rollout.types import derive_seed
+    from megatron_gspo.rollout.types import derive_turn_seed
 
-    return derive_seed(7, index)
+    return derive_turn_seed(7, index)
 
 
 def _taught_engine(tokenizer, model_config, prompt_ids: list[int], target_ids: list[int]):

@@ -234,3 +234,16 @@ def test_uniform_streams_follow_each_seed_whatever_the_chunk_and_batch():
                 row_of = {11: 1, 14: 0}
             for seed, row in row_of.items():
                 assert float(draw[row]) == float(expected[seed][step]), (chunk, step, seed)
+
+
+def test_no_two_turns_of_a_group_share_a_seed():
+    """Turn ``k`` of sample ``j`` samples with ``derive_turn_seed(derive_seed(s, j), k)``: its
+    first turn keeps the sample's seed (one completion's), and the later turns draw from seeds of
+    their own (``derive_seed`` for the turns too would give turn ``k`` of sample 0 the seed of
+    turn 0 of sample ``k``)."""
+    from megatron_gspo.rollout import derive_seed, derive_turn_seed
+
+    seeds = [derive_turn_seed(derive_seed(1234, j), k) for j in range(16) for k in range(8)]
+    assert len(set(seeds)) == len(seeds)
+    assert all(derive_turn_seed(derive_seed(1234, j), 0) == derive_seed(1234, j) for j in range(16))
+    assert all(0 <= seed < 2**63 for seed in seeds)
