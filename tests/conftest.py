@@ -27,9 +27,12 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 SHARED_FIXTURE_GROUPS = {
     "cpu_demo_metrics": "cpu_demo_run",
     "sglang_server": "real_sglang_server",
+    "gspo_run": "e2e_reference_runs",
+    "grpo_run": "e2e_reference_runs",
 }
-"""Fixtures too costly to build once per worker (a whole demo run; a real SGLang server): the
-tests that use one run in one worker (pytest-xdist's ``--dist loadgroup``)."""
+"""Fixtures too costly to build once per worker (a whole demo run; a real SGLang server; the
+end-to-end tests' reference runs, tests/e2e/conftest.py): the tests that use one run in one
+worker (pytest-xdist's ``--dist loadgroup``)."""
 
 WAIT_FOR_A_BUILD_BESIDE = ("tests/real_sglang/",)
 """Tests that wait for what ``.ci/run`` builds beside the suite (the SGLang venv: minutes,
@@ -69,17 +72,20 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 def group_for_workers(items: list[pytest.Item]) -> None:
-    """Each test's ``xdist_group``: the shared costly fixture's group where it uses one, else its
-    module (whose module-scoped fixtures are then built once); without pytest-xdist, a label."""
+    """Each test's ``xdist_group``: its module (whose module-scoped fixtures are then built
+    once), or the shared costly fixture's group where a test of the module uses one (the whole
+    module joins it); without pytest-xdist, a label."""
+    shared: dict[str, str] = {}
     for item in items:
-        if item.get_closest_marker("xdist_group") is not None:
-            continue
+        module = item.nodeid.split("::")[0]
         fixtures = getattr(item, "fixturenames", ())
-        group = next(
-            (name for fixture, name in SHARED_FIXTURE_GROUPS.items() if fixture in fixtures),
-            item.nodeid.split("::")[0],
-        )
-        item.add_marker(pytest.mark.xdist_group(group))
+        for fixture, name in SHARED_FIXTURE_GROUPS.items():
+            if fixture in fixtures:
+                shared.setdefault(module, name)
+    for item in items:
+        if item.get_closest_marker("xdist_group") is None:
+            module = item.nodeid.split("::")[0]
+            item.add_marker(pytest.mark.xdist_group(shared.get(module, module)))
 
 
 def worker_group(item: pytest.Item) -> str:
