@@ -98,7 +98,7 @@ from megatron_gspo.samples import TrainSample
 from megatron_gspo.samples.routes import (
     balanced_pad_routes,
     check_route_weights,
-    check_routes,
+    check_routes_of_samples,
     route_dtype,
     topk_sets_differ,
 )
@@ -280,18 +280,18 @@ class PolicyRouting:
     def _validated(
         self, samples: Sequence[TrainSample], routes: Sequence[Optional[torch.Tensor]], source: str
     ) -> list[torch.Tensor]:
-        return [
-            check_routes(
-                self._filler_routes(sample) if _never_routed(sample, route) else route,
-                where=f"sample {index} (group {sample.group_id})",
-                num_positions=int(sample.tokens.numel()) - 1,
-                num_moe_layers=len(self.moe_layers),
-                topk=self.topk,
-                num_experts=self.num_experts,
-                source=source,
-            )
-            for index, (sample, route) in enumerate(zip(samples, routes))
-        ]
+        return check_routes_of_samples(
+            [
+                self._filler_routes(sample) if _never_routed(sample, route) else route
+                for sample, route in zip(samples, routes)
+            ],
+            wheres=[f"sample {index} (group {s.group_id})" for index, s in enumerate(samples)],
+            num_positions=[int(sample.tokens.numel()) - 1 for sample in samples],
+            num_moe_layers=len(self.moe_layers),
+            topk=self.topk,
+            num_experts=self.num_experts,
+            source=source,
+        )
 
     def _filler_routes(self, sample: TrainSample) -> torch.Tensor:
         """Routes for a sample out of the loss that never reached an engine (an episode aborted
@@ -645,22 +645,21 @@ class RoutingPass:
                 f"recorded routes are incomplete: flat row {row} has a layer no rank recorded "
                 "(a layer did not run, or the token layout differs between ranks)"
             )
-        dtype = route_dtype(routing.num_experts)
-        recorded = []
-        for index, sample in enumerate(self.samples):
-            part = self._buffer[self.row_offsets[index] : self.row_offsets[index + 1]]
-            routes = (part.long() - 1).to(dtype)
-            check_routes(
-                routes,
-                where=f"sample {index} (group {sample.group_id})",
-                num_positions=part.shape[0],
-                num_moe_layers=len(routing.moe_layers),
-                topk=routing.topk,
-                num_experts=routing.num_experts,
-                source="recorded by the training engine",
-            )
-            recorded.append(routes)
-        return recorded
+        everything = (self._buffer.long() - 1).to(route_dtype(routing.num_experts))
+        # A copy per sample: a view would keep (and pickle) the whole batch's buffer.
+        recorded = [
+            everything[self.row_offsets[index] : self.row_offsets[index + 1]].clone()
+            for index in range(len(self.samples))
+        ]
+        return check_routes_of_samples(
+            recorded,
+            wheres=[f"sample {index} (group {s.group_id})" for index, s in enumerate(self.samples)],
+            num_positions=[routes.shape[0] for routes in recorded],
+            num_moe_layers=len(routing.moe_layers),
+            topk=routing.topk,
+            num_experts=routing.num_experts,
+            source="recorded by the training engine",
+        )
 
 
 def _never_routed(sample: TrainSample, recorded: Optional[torch.Tensor]) -> bool:

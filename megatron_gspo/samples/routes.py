@@ -22,6 +22,7 @@ against them by :func:`check_route_weights`.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Optional
 
 import numpy as np
@@ -116,6 +117,62 @@ def check_routes(
             f"{routes[token, layer].tolist()}; each token routes to K distinct experts ({source})"
         )
     return routes
+
+
+def check_routes_of_samples(
+    routes: Sequence[Optional[torch.Tensor]],
+    *,
+    wheres: Sequence[str],
+    num_positions: Sequence[int],
+    num_moe_layers: int,
+    topk: int,
+    num_experts: int,
+    source: str,
+) -> list[torch.Tensor]:
+    """:func:`check_routes` of many samples' routes, their ids checked in one pass over all of
+    them: a training pass checks every sample of its mini-batch, and one by one the checks'
+    small tensor operations took a tenth of the trainer's step at the CPU demo's size
+    (benchmarks/README.md, "Asynchronous training overlap"). A problem is reported as
+    :func:`check_routes` reports it, for the first faulty sample (``wheres[i]``)."""
+
+    def one_by_one() -> list[torch.Tensor]:
+        return [
+            check_routes(
+                sample_routes,
+                where=where,
+                num_positions=positions,
+                num_moe_layers=num_moe_layers,
+                topk=topk,
+                num_experts=num_experts,
+                source=source,
+            )
+            for sample_routes, where, positions in zip(routes, wheres, num_positions)
+        ]
+
+    well_formed = all(
+        sample_routes is not None
+        and route_shape_problem(tuple(sample_routes.shape), positions, num_moe_layers, topk) is None
+        and not sample_routes.is_floating_point()
+        and sample_routes.dtype != torch.bool
+        for sample_routes, positions in zip(routes, num_positions)
+    )
+    if not routes or not well_formed or len({sample_routes.dtype for sample_routes in routes}) > 1:
+        return one_by_one()
+    # The id rules hold per (token, layer) row: every row of every sample as one sample's rows.
+    rows = torch.cat([sample_routes.reshape(-1, 1, topk) for sample_routes in routes])
+    try:
+        check_routes(
+            rows,
+            where="all samples",
+            num_positions=rows.shape[0],
+            num_moe_layers=1,
+            topk=topk,
+            num_experts=num_experts,
+            source=source,
+        )
+    except RouteError:
+        return one_by_one()  # raises, naming the sample
+    return list(routes)
 
 
 ROUTE_WEIGHT_DTYPE = torch.float32

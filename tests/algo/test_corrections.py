@@ -302,3 +302,32 @@ def test_log_prob_gap_by_hand():
     assert gap["rollout_log_ppl_diff"] == pytest.approx(sum(per_sequence) / 2)
     assert gap["rollout_log_ppl_abs_diff"] == pytest.approx(sum(map(abs, per_sequence)) / 2)
     assert log_prob_gap(trainer, rollout, [m & False for m in masks]) == {}
+
+
+def test_log_prob_gap_matches_its_definition_sequence_by_sequence():
+    """The batched computation against the definition written per sequence in float64, with
+    sequences of other lengths, some without a loss token (left out of the per-sequence mean)."""
+    generator = torch.Generator().manual_seed(3)
+    lengths = [5, 1, 9, 4, 7, 3]
+    trainer = [-torch.rand(n, generator=generator) * 3 for n in lengths]
+    rollout = [t + 0.1 * torch.randn(t.shape, generator=generator) for t in trainer]
+    masks = [torch.rand(n, generator=generator) < 0.7 for n in lengths]
+    masks[1][:] = False
+    masks[4][:] = False
+    own = [t.double()[m] for t, m in zip(trainer, masks) if m.any()]
+    engine = [r.double()[m] for r, m in zip(rollout, masks) if m.any()]
+    own_all, engine_all = torch.cat(own), torch.cat(engine)
+    log_ratio = engine_all - own_all
+    per_sequence = torch.stack([o.mean() - e.mean() for o, e in zip(own, engine)])
+    gap = log_prob_gap(trainer, rollout, masks)
+    assert gap["rollout_log_prob_abs_diff"] == pytest.approx(
+        float((own_all - engine_all).abs().mean()), rel=1e-12
+    )
+    assert gap["rollout_kl_k3"] == pytest.approx(
+        float((log_ratio.exp() - log_ratio - 1).mean()), rel=1e-12
+    )
+    assert gap["rollout_log_ppl_diff"] == pytest.approx(float(per_sequence.mean()), rel=1e-12)
+    assert gap["rollout_log_ppl_abs_diff"] == pytest.approx(
+        float(per_sequence.abs().mean()), rel=1e-12
+    )
+    assert log_prob_gap([], [], []) == {}

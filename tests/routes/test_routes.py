@@ -12,6 +12,7 @@ from megatron_gspo.samples.routes import (
     balanced_pad_routes,
     check_route_weights,
     check_routes,
+    check_routes_of_samples,
     route_dtype,
     route_numpy_dtype,
     route_shape_problem,
@@ -61,6 +62,41 @@ def test_check_routes_names_the_problem():
         with pytest.raises(RouteError, match=fragment) as error:
             check_routes(routes, num_positions=positions, **kwargs)
         assert "sample 7 (group 1)" in str(error.value)
+
+
+def test_routes_of_many_samples_are_checked_as_each_one_would_be():
+    """The batched check accepts what check_routes accepts and reports what it reports, for the
+    first faulty sample (the others well formed), whatever the fault."""
+    generator = torch.Generator().manual_seed(0)
+    good = [
+        torch.stack([torch.randperm(6, generator=generator)[:2] for _ in range(n * 3)])
+        .reshape(n, 3, 2)
+        .to(torch.uint8)
+        for n in (4, 1, 6)
+    ]
+    kwargs = dict(num_moe_layers=3, topk=2, num_experts=6, source="x")
+    wheres = [f"sample {index} (group 9)" for index in range(3)]
+    positions = [4, 1, 6]
+    checked = check_routes_of_samples(good, wheres=wheres, num_positions=positions, **kwargs)
+    assert all(a is b for a, b in zip(checked, good))
+    assert check_routes_of_samples([], wheres=[], num_positions=[], **kwargs) == []
+    repeated = good[2].clone()
+    repeated[5, 1] = torch.tensor([4, 4])
+    faults = [
+        (None, "missing"),
+        (good[2][:5], "shape"),
+        (good[2].float(), "integer"),
+        (good[2] + 6, "outside"),
+        (repeated, "repeat"),
+    ]
+    for faulty, fragment in faults:
+        routes = [good[0], good[1], faulty]
+        with pytest.raises(RouteError, match=fragment) as batched:
+            check_routes_of_samples(routes, wheres=wheres, num_positions=positions, **kwargs)
+        with pytest.raises(RouteError) as alone:
+            check_routes(faulty, where=wheres[2], num_positions=6, **kwargs)
+        assert str(batched.value) == str(alone.value)
+        assert "sample 2 (group 9)" in str(batched.value)
 
 
 def test_route_shape_rule_is_the_rollout_results():
