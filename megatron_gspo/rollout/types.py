@@ -188,8 +188,7 @@ def derive_seed(seed: int, sample_index: int) -> int:
     """
     if sample_index == 0:
         return seed
-    digest = hashlib.blake2b(f"{seed}:{sample_index}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") >> 1
+    return _hashed_seed(f"{seed}:{sample_index}")
 
 
 def derive_turn_seed(seed: int, turn: int) -> int:
@@ -203,7 +202,12 @@ def derive_turn_seed(seed: int, turn: int) -> int:
     """
     if turn == 0:
         return seed
-    digest = hashlib.blake2b(f"{seed}:turn:{turn}".encode(), digest_size=8).digest()
+    return _hashed_seed(f"{seed}:turn:{turn}")
+
+
+def _hashed_seed(key: str) -> int:
+    """A seed in ``[0, 2**63)`` from ``key``, the same on every machine and Python process."""
+    digest = hashlib.blake2b(key.encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") >> 1
 
 
