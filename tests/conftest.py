@@ -101,11 +101,13 @@ def order_for_workers(items: list[pytest.Item]) -> None:
     first_seen: dict[str, int] = {}
     for index, item in enumerate(items):
         first_seen.setdefault(worker_group(item), index)
+    waiting = {
+        worker_group(item) for item in items if item.nodeid.startswith(WAIT_FOR_A_BUILD_BESIDE)
+    }
 
     def position(item: pytest.Item) -> tuple[bool, int, int]:
         group = worker_group(item)
-        waits = item.nodeid.startswith(WAIT_FOR_A_BUILD_BESIDE)
-        return waits, -sizes[group], first_seen[group]
+        return group in waiting, -sizes[group], first_seen[group]
 
     items.sort(key=position)
 

@@ -285,12 +285,12 @@ def log_prob_gap(
     lengths = torch.tensor([sequence_mask.numel() for sequence_mask in masks])
     sequence = torch.repeat_interleave(torch.arange(len(masks)), lengths)[mask]
     tokens = torch.bincount(sequence, minlength=len(masks)).double()
-    if not bool((tokens > 0).any()):
+    has_tokens = tokens > 0
+    if not bool(has_tokens.any()):
         return {}
     sums = torch.zeros(2, len(masks), dtype=torch.float64)
     sums[0].index_add_(0, sequence, trainer_all)
     sums[1].index_add_(0, sequence, rollout_all)
-    has_tokens = tokens > 0
     means = sums[:, has_tokens] / tokens[has_tokens]
     ppl_gap = means[0] - means[1]
     return {

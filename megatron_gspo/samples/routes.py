@@ -79,6 +79,21 @@ def route_shape_problem(
     )
 
 
+def _route_form_problem(
+    routes: Optional[torch.Tensor], num_positions: int, num_moe_layers: int, topk: int, source: str
+) -> Optional[str]:
+    """What is wrong with the form of one sample's routes (present, shape, integer dtype), before
+    their ids are looked at; None: nothing."""
+    if routes is None:
+        return f"routed experts are missing ({source})"
+    problem = route_shape_problem(tuple(routes.shape), num_positions, num_moe_layers, topk)
+    if problem is not None:
+        return f"{problem} ({source})"
+    if routes.is_floating_point() or routes.dtype == torch.bool:
+        return f"routed experts must be integer ids, got {routes.dtype}"
+    return None
+
+
 def check_routes(
     routes: Optional[torch.Tensor],
     *,
@@ -92,13 +107,9 @@ def check_routes(
     """Validate one sample's routes ``[L - 1, M, K]``: integer ids in ``[0, E)``, no duplicate
     expert within a row. Returns them; raises :class:`RouteError` naming ``where`` and
     ``source`` (where the routes should have come from)."""
-    if routes is None:
-        raise RouteError(f"{where}: routed experts are missing ({source})")
-    problem = route_shape_problem(tuple(routes.shape), num_positions, num_moe_layers, topk)
+    problem = _route_form_problem(routes, num_positions, num_moe_layers, topk, source)
     if problem is not None:
-        raise RouteError(f"{where}: {problem} ({source})")
-    if routes.is_floating_point() or routes.dtype == torch.bool:
-        raise RouteError(f"{where}: routed experts must be integer ids, got {routes.dtype}")
+        raise RouteError(f"{where}: {problem}")
     if routes.numel() == 0:
         return routes
     low, high = int(routes.min()), int(routes.max())
@@ -149,15 +160,11 @@ def check_routes_of_samples(
             for sample_routes, where, positions in zip(routes, wheres, num_positions)
         ]
 
-    well_formed = all(
-        sample_routes is not None
-        and route_shape_problem(tuple(sample_routes.shape), positions, num_moe_layers, topk) is None
-        and not sample_routes.is_floating_point()
-        and sample_routes.dtype != torch.bool
+    if not routes or any(
+        _route_form_problem(sample_routes, positions, num_moe_layers, topk, source) is not None
         for sample_routes, positions in zip(routes, num_positions)
-    )
-    if not routes or not well_formed or len({sample_routes.dtype for sample_routes in routes}) > 1:
-        return one_by_one()
+    ):
+        return one_by_one()  # raises, naming the sample
     # The id rules hold per (token, layer) row: every row of every sample as one sample's rows.
     rows = torch.cat([sample_routes.reshape(-1, 1, topk) for sample_routes in routes])
     try:
