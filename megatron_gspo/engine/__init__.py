@@ -24,6 +24,12 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
+from megatron_gspo.engine import deferred_compile
+
+# Before any engine module imports Megatron: its torch.compile decorations stop building the
+# compiler at import (deferred_compile.py; about a third of Megatron's import time).
+deferred_compile.install()
+
 _EXPORTS = {
     "apply_cpu_shims": "compat",
     "MEGATRON_CORE_VERSION": "compat",

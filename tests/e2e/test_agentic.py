@@ -55,6 +55,7 @@ def test_tool_task_with_turn_advantages_r3_and_evaluation(tmp_path):
     assert 0.0 <= records[1]["eval/greedy_accuracy"] <= 1.0
 
 
+@pytest.mark.slow  # CI: the environment path in tests/envs and the tool task, above and below
 def test_the_single_turn_environment_trains_exactly_as_without_one(gspo_run, tmp_path):
     """The environment path (one engine call per turn, explicit masks, turn fields, the
     environment producer's scoring) with the one-turn environment: every metric of the run

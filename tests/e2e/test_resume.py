@@ -58,6 +58,7 @@ def kill_and_resume(output_dir, overrides, nproc):
     return resumed.metrics(), start_step
 
 
+@pytest.mark.slow  # CI kills and resumes in bf16 (test_resume_bf16.py): the same path
 def test_kill_and_resume_one_process(gspo_run, tmp_path):
     records, start_step = kill_and_resume(tmp_path / "out", [], nproc=1)
     # Steps before the restart come from the killed run, later ones from the resumed run; the

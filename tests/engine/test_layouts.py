@@ -244,16 +244,19 @@ def test_two_process_layouts(reference_dir):
     _check_launch(2, _launch(2, reference_dir), reference_dir)
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 def test_four_process_layouts(reference_dir):
+    """The pairs of dimensions (the full run: CI runs each dimension at 2 processes, above, and
+    tp2 x ep2 at 4 in tests/engine/test_checkpoint.py and the conversion's gather)."""
     _check_launch(4, _launch(4, reference_dir), reference_dir)
 
 
 @pytest.mark.slow
 @pytest.mark.distributed
 def test_eight_process_layout(reference_dir):
-    """tp2 + pp2 + ep2 + cp2: every kind of parallelism at once (the full run: each dimension
-    runs in CI at 2 and 4 processes, above)."""
+    """tp2 + pp2 + ep2 + cp2: every kind of parallelism at once (the full run, as the pairs
+    above)."""
     _check_launch(8, _launch(8, reference_dir), reference_dir)
 
 
