@@ -63,6 +63,8 @@ import time
 from pathlib import Path
 from typing import Optional
 
+from megatron_gspo.rollout.sglang_cpu import cpu_model_name
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
 SCENARIOS = {
@@ -344,7 +346,7 @@ def main(argv: list[str] | None = None) -> int:
                 )
     report = {
         "machine": f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f} at the end",
-        "cpu_model": cpu_model(),
+        "cpu_model": cpu_model_name(),
         "load_average_at_start": load_at_start,
         "threads_per_process": args.threads,
         "steps": args.steps,
@@ -408,17 +410,6 @@ def print_table(report: dict) -> None:
                 f"{_number(row, 'cpu_server_s', 3)}+{_number(row, 'cpu_other_s', 3)} | "
                 f"{_number(row, 'cpu_producers_s', 3)} | {_number(row, 'turns_mean')} |"
             )
-
-
-def cpu_model() -> str:
-    """The CPU's model name (``/proc/cpuinfo``; ``lscpu``'s "Model name"), for the report."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "unknown"
 
 
 def _number(row: dict, key: str, digits: int = 2) -> str:

@@ -49,6 +49,7 @@ from megatron_gspo.production.episodes import EnvironmentProducer, EpisodeSettin
 from megatron_gspo.production.sampling import Sampling  # noqa: E402
 from megatron_gspo.production.task import build_task  # noqa: E402
 from megatron_gspo.rollout.embedded import EmbeddedEngine  # noqa: E402
+from megatron_gspo.rollout.sglang_cpu import cpu_model_name  # noqa: E402
 
 SCHEDULES = ("lockstep", "independent")
 SLEEPING_TOOL = r"""
@@ -211,7 +212,7 @@ def run(args: argparse.Namespace) -> dict:
     )
     return {
         "machine": f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f} at the end",
-        "cpu_model": cpu_model(),
+        "cpu_model": cpu_model_name(),
         "episodes": args.prompts * args.group,
         "turns": args.turns,
         "workers": args.workers,
@@ -243,17 +244,6 @@ def print_table(report: dict) -> None:
             f"{row['requests_per_call']:.1f} | {row['turns_mean']:.2f} | "
             f"{'1.00x' if speedup is None else f'{speedup:.2f}x'} |"
         )
-
-
-def cpu_model() -> str:
-    """The CPU's model name (``/proc/cpuinfo``; ``lscpu``'s "Model name"), for the report."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "unknown"
 
 
 def main(argv: Optional[list[str]] = None) -> int:

@@ -129,7 +129,8 @@ class RolloutConfig:
     oversubscription (docs/async.md)."""
     producer_processes: int = 0
     """With max_staleness >= 1: processes that make samples from the engine's answers (episode
-    stepping, answer decoding, reward dispatch, sample building), each producing one chunk of
+    stepping, an agent's episodes behind a chat endpoint of the process's own, answer decoding,
+    reward dispatch, sample building), each producing one chunk of
     rollout_batch_size prompts at a time, so that this per-sample Python work runs beside the
     trainer instead of under its interpreter lock; chunks in flight at once are at most this many
     (and the staleness bound's). 0: one producer thread in the trainer process. Needs an engine

@@ -521,16 +521,6 @@ class TrainConfig:
                 "they split the agent's episodes, which agent.function runs",
                 "set agent.function, or remove agent.per_turn_samples",
             )
-        if agent.function is not None and self.rollout.producer_processes:
-            raise ConfigError(
-                "rollout.producer_processes",
-                f"producer_processes={self.rollout.producer_processes} with agent.function",
-                "an agent's episodes run in the trainer's driver, behind its chat endpoint; "
-                "producer processes make environments' episodes and single completions only, so "
-                "they would not run the agent",
-                "set rollout.producer_processes=0 (agents run with rollout.max_staleness >= 1 "
-                "in the trainer's background producer)",
-            )
         if agent.per_turn_samples and (
             self.algo.dynamic_sampling or self.rollout.max_staleness >= 1
         ):

@@ -61,7 +61,8 @@ class _DeferringLoader(importlib.abc.Loader):
         return self._loader.create_module(spec)
 
     def exec_module(self, module: Any) -> None:
-        import torch  # megatron.core's first import: torch is being imported anyway
+        # Lazy: the engine's package imports this module and stays light; Megatron needs torch.
+        import torch
 
         original = torch.compile
         torch.compile = compile_on_first_call(original)

@@ -1,7 +1,8 @@
 """Sample production in processes of its own, beside the trainer (``rollout.producer_processes``).
 
-Making samples is Python work per sample: an environment's steps, decoding the engine's answers,
-sending them to the reward functions, building each :class:`~megatron_gspo.samples.TrainSample`.
+Making samples is Python work per sample: an environment's steps or an agent program's loop,
+decoding the engine's answers, sending them to the reward functions, building each
+:class:`~megatron_gspo.samples.TrainSample`.
 Run by a thread of the trainer process it takes the trainer's interpreter lock away from the
 training step (docs/async.md measured 1.3-1.4x the synchronous training phase at the CPU demo's
 size). A :class:`ProducerProcess` is a child process with a producer of its own, built from the
@@ -10,6 +11,9 @@ and a generation-only client of the same rollout servers (their URLs and API key
 transport): the trainer sends it a chunk's prompts and its index, and gets the scored samples
 back (pickled tensors, once per chunk). Its samples are those the driver's own producer makes for
 the same call: the producer is a function of the prompts, the index and the engine's answers.
+An agent (``agent.function``) runs in the child behind a chat endpoint of the child's own (a
+loopback server in front of the child's client, with a key of its own), so that its OpenAI
+client, its tools and the endpoint's sessions all stay off the trainer's interpreter.
 
 Weights, pauses, aborts and recoveries stay with the trainer's client: a weight sync pauses the
 servers, which pauses every process's requests; an abort reaches them all. The trainer's weight
@@ -44,6 +48,7 @@ import torch
 
 from megatron_gspo.config import TrainConfig
 from megatron_gspo.envs import EnvironmentSpec, load_environment
+from megatron_gspo.production.agent import AgentProducer, AgentSettings
 from megatron_gspo.production.episodes import EnvironmentProducer, EpisodeSettings
 from megatron_gspo.production.producer import SampleProducer, ScoredSamples
 from megatron_gspo.production.sampling import Sampling
@@ -51,6 +56,7 @@ from megatron_gspo.production.single_turn import SingleTurnProducer
 from megatron_gspo.production.task import build_task
 from megatron_gspo.reward import RewardRunner
 from megatron_gspo.rollout import RolloutEngine, RolloutEngineError
+from megatron_gspo.rollout.chat_endpoint import ChatEndpoint
 from megatron_gspo.rollout.sglang_client import SGLangEngine
 from megatron_gspo.runtime.lifetime import die_with_parent
 from megatron_gspo.samples import TrainSample
@@ -69,10 +75,18 @@ def build_producer(
     engine: RolloutEngine,
     rewards: Optional[RewardRunner],
     sampling: Sampling,
+    resources: contextlib.ExitStack,
 ) -> SampleProducer:
-    """The run's producer on ``engine``: an environment's episodes (``env.name``) or one
-    completion per sample, as the driver builds it."""
+    """The run's producer on ``engine``: an agent's episodes (``agent.function``, behind a chat
+    endpoint that ``resources`` closes), an environment's (``env.name``) or one completion per
+    sample, as the driver builds it."""
     task = build_task(cfg)
+    if cfg.agent.function is not None:
+        endpoint = resources.enter_context(
+            ChatEndpoint(engine, task.tokenizer, tool_call_format=cfg.agent.tool_call_format)
+        )
+        settings = AgentSettings.from_config(cfg, task)
+        return AgentProducer(endpoint, task, rewards, sampling, settings)
     if cfg.env.name is not None:
         factory = load_environment(EnvironmentSpec(cfg.env.name, dict(cfg.env.options)))
         return EnvironmentProducer(
@@ -216,34 +230,38 @@ def _serve(
     until ``None`` (or the trainer's death)."""
     die_with_parent(parent)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s producer: %(message)s")
-    rewards = None
-    try:
-        engine = following_client(version, **client_options)
-        rewards = RewardRunner(cfg.reward) if cfg.reward.functions else None
-        producer = build_producer(cfg, engine, rewards, Sampling.training(cfg))
-    except BaseException as error:  # noqa: BLE001 - reported to the trainer
-        connection.send_bytes(pickle.dumps(_Failure(error)))
-        return
-    connection.send_bytes(pickle.dumps("ready"))
-    try:
-        while True:
-            try:
-                message = pickle.loads(connection.recv_bytes())
-            except EOFError:
-                return
-            if message is None:
-                return
-            prompts, index = message
-            try:
-                scored = producer.produce(prompts, index)
-                answer: Any = (pack_samples(scored.samples), scored.metrics)
-            except BaseException as error:  # noqa: BLE001 - reported to the trainer
-                answer = _Failure(error)
-            connection.send_bytes(pickle.dumps(answer, protocol=pickle.HIGHEST_PROTOCOL))
-    finally:
-        if rewards is not None:
-            rewards.close()
-        engine.close()
+    with contextlib.ExitStack() as resources:
+        try:
+            engine = following_client(version, **client_options)
+            resources.callback(engine.close)
+            rewards = RewardRunner(cfg.reward) if cfg.reward.functions else None
+            if rewards is not None:
+                resources.callback(rewards.close)
+            producer = build_producer(cfg, engine, rewards, Sampling.training(cfg), resources)
+        except BaseException as error:  # noqa: BLE001 - reported to the trainer
+            connection.send_bytes(pickle.dumps(_Failure(error)))
+            return
+        connection.send_bytes(pickle.dumps("ready"))
+        _answer_chunks(connection, producer)
+
+
+def _answer_chunks(connection: Connection, producer: SampleProducer) -> None:
+    """Answers ``(prompts, index)`` with ``producer``'s scored samples until ``None`` or the end
+    of the pipe."""
+    while True:
+        try:
+            message = pickle.loads(connection.recv_bytes())
+        except EOFError:
+            return
+        if message is None:
+            return
+        prompts, index = message
+        try:
+            scored = producer.produce(prompts, index)
+            answer: Any = (pack_samples(scored.samples), scored.metrics)
+        except BaseException as error:  # noqa: BLE001 - reported to the trainer
+            answer = _Failure(error)
+        connection.send_bytes(pickle.dumps(answer, protocol=pickle.HIGHEST_PROTOCOL))
 
 
 def start_producer_processes(cfg: TrainConfig, engine: RolloutEngine) -> list[ProducerProcess]:
