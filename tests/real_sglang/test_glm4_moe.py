@@ -13,9 +13,10 @@ rounding (under R3 the bias only chooses experts, which are replayed: the bias i
 test's).
 
 Then a GSPO run (no replay: the trainer routes by itself) against the same server. One server
-for the module, beside the package's Qwen3-MoE one. CI runs the generation and bias-sync checks;
-the two training runs are in the full run (``--full``): CI trains GSPO and GRPO + R3 against the
-package's Qwen3-MoE server (test_training.py), and GLM-4.5 on the embedded engine.
+for the module, beside the package's Qwen3-MoE one. The full run (``--full``) runs the module,
+as DeepSeek-V3's: CI trains GSPO and GRPO + R3 against the package's Qwen3-MoE server
+(test_training.py), GLM-4.5 on the embedded engine (tests/tools/test_compare_families.py) and
+checks its conversion against transformers (tests/convert).
 """
 
 from __future__ import annotations
@@ -43,6 +44,8 @@ from .server import (
     sglang_python,
     start_server,
 )
+
+pytestmark = pytest.mark.slow  # the full run's (module docstring)
 
 GLM4_FIELDS = {
     "architecture": "glm4_moe",
@@ -237,7 +240,6 @@ def _train_against(glm_server, tmp_path, name: str, overrides: list[str]) -> lis
     return records
 
 
-@pytest.mark.slow  # CI trains against the package's Qwen3-MoE server (test_training.py)
 def test_gspo_trains_against_sglang(glm_server, monkeypatch, tmp_path):
     """GSPO (the default loss, no replay): the trainer routes by itself, with the synced zero
     bias, as SGLang does; the gap stays at float32 rounding unless a near-tie flips a route, and
@@ -249,7 +251,6 @@ def test_gspo_trains_against_sglang(glm_server, monkeypatch, tmp_path):
     assert records[-1]["grad_norm"] > 0
 
 
-@pytest.mark.slow  # CI: GRPO + R3 against the package's server (test_training.py)
 def test_grpo_with_r3_trains_against_sglang(glm_server, monkeypatch, tmp_path):
     """Two GRPO + R3 steps: the old log-probs, recomputed replaying SGLang's routes, stay within
     float32 rounding of SGLang's and no route differs."""
