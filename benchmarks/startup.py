@@ -31,20 +31,16 @@ import time
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO_ROOT))
+# The repository (the package) and tests/ (the end-to-end harness imports its siblings as the
+# tests do).
+sys.path[:0] = [str(REPO_ROOT), str(REPO_ROOT / "tests")]
+
+from e2e.harness import TINY  # noqa: E402
 
 from megatron_gspo.rollout.sglang_cpu import cpu_model_name  # noqa: E402
 
-TINY_RUN = (
-    "steps=2",
-    "algo.rollout_batch_size=2",
-    "algo.num_return_sequences_in_group=4",
-    "algo.num_mini_batches=2",
-    "algo.response_length=8",
-    "sft_warmup_steps=0",
-    "logging.progress_bar=false",
-)
-"""tests/e2e/harness.py's TINY with two steps: a run whose time is mostly its start."""
+TINY_RUN = ("steps=2", *TINY)
+"""The end-to-end tests' tiny configuration for two steps: a run whose time is mostly its start."""
 
 UPSTREAM_FIRST = "import megatron.core; "
 """Imports Megatron-Core before the engine installs its deferral: upstream's eager decoration."""
