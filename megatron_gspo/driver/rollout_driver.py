@@ -25,15 +25,13 @@ from megatron_gspo.driver.source import BatchSource, BatchSourceFactory
 from megatron_gspo.envs import EnvironmentSpec, load_environment
 from megatron_gspo.metrics.sinks import MetricsLogger
 from megatron_gspo.metrics.step import rollout_metrics
-from megatron_gspo.production.agent import AgentProducer, AgentSettings
 from megatron_gspo.production.episodes import (
-    EnvironmentProducer,
     EpisodeSettings,
     demonstration_samples,
 )
 from megatron_gspo.production.producer import SampleProducer, warn_aborted
 from megatron_gspo.production.sampling import Sampling
-from megatron_gspo.production.single_turn import SingleTurnProducer
+from megatron_gspo.production.selection import agent_endpoint, select_producer
 from megatron_gspo.production.supervised import reference_sample
 from megatron_gspo.production.task import build_task
 from megatron_gspo.production.teacher import TeacherScoredProducer
@@ -121,11 +119,7 @@ class RolloutDriver(Driver):
             if cfg.agent.function is not None:
                 # The agents' OpenAI-compatible endpoint, in front of the rollout engine.
                 self.chat_endpoint = resources.enter_context(
-                    ChatEndpoint(
-                        self.rollout_engine,
-                        self.task.tokenizer,
-                        tool_call_format=cfg.agent.tool_call_format,
-                    )
+                    agent_endpoint(cfg, self.rollout_engine, self.task)
                 )
             self.producer = self.make_producer(Sampling.training(cfg))
             if cfg.algo.distillation.enabled:
@@ -149,21 +143,17 @@ class RolloutDriver(Driver):
         sampling's uninformative groups)."""
 
     def make_producer(self, sampling: Sampling) -> SampleProducer:
-        """The run's way of producing samples (an environment's episodes or one completion per
-        sample) at ``sampling``'s settings."""
-        if self.chat_endpoint is not None:
-            settings = AgentSettings.from_config(self.cfg, self.task)
-            return AgentProducer(self.chat_endpoint, self.task, self.rewards, sampling, settings)
-        if self.environment_factory is not None:
-            return EnvironmentProducer(
-                self.rollout_engine,
-                self.task,
-                self.rewards,
-                sampling,
-                self.episode_settings,
-                factory=self.environment_factory,
-            )
-        return SingleTurnProducer(self.rollout_engine, self.task, self.rewards, sampling)
+        """The run's way of producing samples (an agent's or an environment's episodes, or one
+        completion per sample) at ``sampling``'s settings."""
+        return select_producer(
+            self.cfg,
+            self.rollout_engine,
+            self.task,
+            self.rewards,
+            sampling,
+            chat_endpoint=self.chat_endpoint,
+            environment_factory=self.environment_factory,
+        )
 
     def start(self, step: int, data_state: Optional[dict]) -> None:
         if data_state is not None:

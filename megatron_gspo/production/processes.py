@@ -48,15 +48,12 @@ import torch
 
 from megatron_gspo.config import TrainConfig
 from megatron_gspo.envs import EnvironmentSpec, load_environment
-from megatron_gspo.production.agent import AgentProducer, AgentSettings
-from megatron_gspo.production.episodes import EnvironmentProducer, EpisodeSettings
 from megatron_gspo.production.producer import SampleProducer, ScoredSamples
 from megatron_gspo.production.sampling import Sampling
-from megatron_gspo.production.single_turn import SingleTurnProducer
+from megatron_gspo.production.selection import agent_endpoint, select_producer
 from megatron_gspo.production.task import build_task
 from megatron_gspo.reward import RewardRunner
 from megatron_gspo.rollout import RolloutEngine, RolloutEngineError
-from megatron_gspo.rollout.chat_endpoint import ChatEndpoint
 from megatron_gspo.rollout.sglang_client import SGLangEngine
 from megatron_gspo.runtime.lifetime import die_with_parent
 from megatron_gspo.samples import TrainSample
@@ -77,22 +74,23 @@ def build_producer(
     sampling: Sampling,
     resources: contextlib.ExitStack,
 ) -> SampleProducer:
-    """The run's producer on ``engine``: an agent's episodes (``agent.function``, behind a chat
-    endpoint that ``resources`` closes), an environment's (``env.name``) or one completion per
-    sample, as the driver builds it."""
+    """The run's producer on ``engine``, chosen as the driver chooses it: an agent's episodes
+    (``agent.function``, behind a chat endpoint of this process's own that ``resources``
+    closes), an environment's (``env.name``) or one completion per sample."""
     task = build_task(cfg)
-    if cfg.agent.function is not None:
-        endpoint = resources.enter_context(
-            ChatEndpoint(engine, task.tokenizer, tool_call_format=cfg.agent.tool_call_format)
-        )
-        settings = AgentSettings.from_config(cfg, task)
-        return AgentProducer(endpoint, task, rewards, sampling, settings)
-    if cfg.env.name is not None:
-        factory = load_environment(EnvironmentSpec(cfg.env.name, dict(cfg.env.options)))
-        return EnvironmentProducer(
-            engine, task, rewards, sampling, EpisodeSettings.from_config(cfg), factory=factory
-        )
-    return SingleTurnProducer(engine, task, rewards, sampling)
+    endpoint = (
+        resources.enter_context(agent_endpoint(cfg, engine, task))
+        if cfg.agent.function is not None
+        else None
+    )
+    factory = (
+        load_environment(EnvironmentSpec(cfg.env.name, dict(cfg.env.options)))
+        if cfg.env.name is not None
+        else None
+    )
+    return select_producer(
+        cfg, engine, task, rewards, sampling, chat_endpoint=endpoint, environment_factory=factory
+    )
 
 
 class ProducerProcess:
