@@ -17,15 +17,24 @@ variants of a seed start from the same supervised cold start (the preset's 100 s
 weights at RL step 0), so the two runs of a seed form a pair. The default, ``--seeds 1``, is the
 preset's seed alone.
 
+Both variants evaluate their weights on the same held-out prompts every ``--eval-every`` steps
+(``eval.interval``; ``--eval-prompts`` prompts, ``data.num_eval_prompts``): one greedy episode
+and ``eval.num_samples`` (4) sampled at ``eval.temperature`` (1.0, the training temperature)
+per prompt. The training reward of step ``s`` is that of the episodes step ``s`` trains on,
+which the asynchronous run sampled with the weights of the step before (and, for a turn after a
+weight sync, of step ``s``): its training curve lags by up to one update for that reason alone.
+The held-out reward is measured on the weights after the same number of updates in both runs,
+so it compares how much they learned, not when they sampled.
+
 Writes ``OUT/summary.json`` (per variant and seed every step's reward and tool metrics, the mean
-reward of the last ``--last`` steps, the area under the reward curve, the wall time; per variant
-their means over seeds with a 95% interval; the paired difference async - sync per seed with its
-interval: ``tools/compare_statistics.py``), ``OUT/summary.md`` (the tables docs/agentic.md
-shows) and ``OUT/reward.png`` (each variant's mean curve, with its 95% band over seeds). The
-runs go to ``--runs DIR`` (``DIR/seed_S/sync``, ``DIR/seed_S/async``; default
-``outputs/agentic_async``); ``--plot-only`` re-reads runs already made, ``--reuse`` runs only
-the runs the tool has not finished before; ``--parallel`` runs a seed's two variants at once
-(the seeds one after the other).
+reward of the last ``--last`` steps, the area under the reward curve, the held-out rewards, the
+wall time; per variant their means over seeds with a 95% interval; the paired difference
+async - sync per seed with its interval: ``tools/compare_statistics.py``), ``OUT/summary.md``
+(the tables docs/agentic.md shows) and ``OUT/reward.png`` (each variant's mean curve, with its
+95% band over seeds). The runs go to ``--runs DIR`` (``DIR/seed_S/sync``, ``DIR/seed_S/async``;
+default ``outputs/agentic_async``); ``--plot-only`` re-reads runs already made, ``--reuse`` runs
+only the runs the tool has not finished before; ``--parallel`` runs a seed's two variants at
+once (the seeds one after the other).
 """
 
 from __future__ import annotations
@@ -62,7 +71,16 @@ KEYS = (
     "env/done_frac",
     "staleness_mean",
     "partial_sample_frac",
+    "eval/sampled_reward_mean",
+    "eval/greedy_reward_mean",
 )
+# The held-out statistics, from the runs' evaluations (none in runs made without them).
+HELD_OUT_KEYS = ("heldout_sampled_final", "heldout_sampled_mean", "heldout_greedy_final")
+HELD_OUT_NAMES = {
+    "heldout_sampled_final": "held-out reward, final weights",
+    "heldout_sampled_mean": "held-out reward, mean over evaluations",
+    "heldout_greedy_final": "held-out greedy reward, final weights",
+}
 # A finished run's record (its wall time and command), written by the tool after the run.
 RUN_RECORD = "run.json"
 
@@ -88,6 +106,15 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=None, help="RL steps (default: the preset's)")
     parser.add_argument("--last", type=int, default=10, help="steps of the final mean reward")
     parser.add_argument("--every", type=int, default=3, help="table rows every this many steps")
+    parser.add_argument(
+        "--eval-every", type=int, default=5, help="evaluate every this many steps (eval.interval)"
+    )
+    parser.add_argument(
+        "--eval-prompts",
+        type=int,
+        default=32,
+        help="held-out prompts of each evaluation (data.num_eval_prompts)",
+    )
     parser.add_argument("--parallel", action="store_true", help="run a seed's variants at once")
     parser.add_argument("--plot-only", action="store_true", help="only read the runs in --runs")
     parser.add_argument(
@@ -99,6 +126,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         if args.seeds < 1:
             parser.error("--seeds must be at least 1")
         args.seed_list = [PRESET_SEED + index for index in range(args.seeds)]
+    if args.eval_every < 1 or args.eval_prompts < 1:
+        parser.error("--eval-every and --eval-prompts must be at least 1")
     if len(set(args.seed_list)) != len(args.seed_list):
         parser.error(f"--seed-list repeats a seed: {args.seed_list}")
     return args
@@ -115,6 +144,8 @@ def command(variant: str, seed: int, output_dir: Path, args: argparse.Namespace)
         "-m",
         "megatron_gspo.train",
         *COMMON,
+        f"eval.interval={args.eval_every}",
+        f"data.num_eval_prompts={args.eval_prompts}",
         *VARIANTS[variant],
         *steps,
         f"seed={seed}",
@@ -173,33 +204,49 @@ def read_records(path: Path) -> list[dict]:
 def summarize_run(rows: list[dict], last: int) -> dict:
     """One run: every step's :data:`KEYS`, the reward of the first step (the cold start's,
     before any RL update), the mean reward of the last ``last`` steps, and the area under the
-    reward curve per step (``reward_auc``: how much reward the run earned on its way)."""
+    reward curve per step (``reward_auc``: how much reward the run earned on its way). With
+    evaluations, :data:`HELD_OUT_KEYS`: the held-out sampled reward of the last evaluation and
+    its mean over the evaluations, and the last evaluation's greedy reward."""
     final = rows[-last:]
     rewards = [r["reward_mean"] for r in rows]
     # Only the area is used: the threshold and the collapse drop do not enter it.
     curve = reward_curve_statistics(rewards, threshold=1.0, collapse_drop=1.0)
-    return {
+    summary = {
         "steps": [{"step": r["step"], **{k: r[k] for k in KEYS if k in r}} for r in rows],
         "reward_first": rewards[0],
         f"reward_mean_last_{last}": sum(r["reward_mean"] for r in final) / len(final),
         "reward_last": rewards[-1],
         "reward_auc": curve["reward_auc"],
     }
+    evaluations = [r for r in rows if "eval/sampled_reward_mean" in r]
+    if evaluations:
+        sampled = [r["eval/sampled_reward_mean"] for r in evaluations]
+        summary["heldout_sampled_final"] = sampled[-1]
+        summary["heldout_sampled_mean"] = sum(sampled) / len(sampled)
+        summary["heldout_greedy_final"] = evaluations[-1]["eval/greedy_reward_mean"]
+    return summary
 
 
-def statistics_keys(last: int) -> tuple[str, ...]:
-    return ("reward_first", f"reward_mean_last_{last}", "reward_auc")
+def statistics_keys(last: int, held_out: bool = False) -> tuple[str, ...]:
+    keys = ("reward_first", f"reward_mean_last_{last}", "reward_auc")
+    return keys + HELD_OUT_KEYS if held_out else keys
 
 
 def summarize(records: dict[str, dict[int, list[dict]]], last: int) -> dict:
     """``records``: per variant, per seed, the run's metrics rows. Per variant each seed's
     :func:`summarize_run` and their means over seeds (95% Student-t intervals); the paired
     difference of each variant from :data:`BASELINE` over the seeds both have."""
-    keys = statistics_keys(last)
     summary: dict = {"last": last, "seeds": [], "variants": {}, "paired": {}}
-    per_seed: dict[str, dict[int, dict]] = {}
-    for variant, by_seed in records.items():
-        per_seed[variant] = {seed: summarize_run(rows, last) for seed, rows in by_seed.items()}
+    per_seed: dict[str, dict[int, dict]] = {
+        variant: {seed: summarize_run(rows, last) for seed, rows in by_seed.items()}
+        for variant, by_seed in records.items()
+    }
+    # The held-out statistics only when every run evaluated.
+    summary["held_out"] = all(
+        HELD_OUT_KEYS[0] in values for runs in per_seed.values() for values in runs.values()
+    )
+    keys = statistics_keys(last, summary["held_out"])
+    for variant in records:
         summary["variants"][variant] = {
             "per_seed": {str(seed): values for seed, values in per_seed[variant].items()},
             **{key: mean_interval([v[key] for v in per_seed[variant].values()]) for key in keys},
@@ -309,18 +356,56 @@ def markdown(summary: dict, every: int) -> str:
         f"| | reward at step 0 | reward, last {last} steps | reward AUC |",
         "|---|---:|---:|---:|",
     ]
-    for variant in variants:
-        data = summary["variants"][variant]
-        cells = [interval_text(data[key]) for key in statistics_keys(last)]
-        lines.append(f"| `{variant}` | " + " | ".join(cells) + " |")
-    for name, differences in summary["paired"].items():
-        cells = [interval_text(differences[key]) for key in statistics_keys(last)]
-        lines.append(f"| `{name}` (paired) | " + " | ".join(cells) + " |")
+    lines += statistics_rows(summary, statistics_keys(last))
     lines.append("")
     for name, differences in summary["paired"].items():
         lines.append(f"- `{name}`, last {last} steps: {verdict(differences[final_key])}")
         lines.append(f"- `{name}`, reward AUC: {verdict(differences['reward_auc'])}")
+    if summary.get("held_out"):
+        lines += ["", *held_out_markdown(summary)]
     return "\n".join(lines) + "\n"
+
+
+def statistics_rows(summary: dict, keys: tuple[str, ...]) -> list[str]:
+    """Per variant and per paired difference, ``keys``' means with their intervals."""
+    rows = []
+    for variant, data in summary["variants"].items():
+        rows.append(f"| `{variant}` | " + " | ".join(interval_text(data[k]) for k in keys) + " |")
+    for name, differences in summary["paired"].items():
+        cells = " | ".join(interval_text(differences[k]) for k in keys)
+        rows.append(f"| `{name}` (paired) | {cells} |")
+    return rows
+
+
+def held_out_markdown(summary: dict) -> list[str]:
+    """The evaluations: the mean held-out rewards after each evaluated step, and their
+    statistics over the seeds with the paired difference."""
+    variants = list(summary["variants"])
+    sampled = mean_curves(summary, "eval/sampled_reward_mean")
+    greedy = mean_curves(summary, "eval/greedy_reward_mean")
+    lines = [
+        "Held-out evaluation: the weights after the same number of updates in both runs, on the "
+        "same held-out prompts (sampled episodes at the training temperature, and greedy ones).",
+        "",
+        "| updates | " + " | ".join(f"{v} held-out reward | {v} greedy" for v in variants) + " |",
+        "|---:|" + "---:|---:|" * len(variants),
+    ]
+    for step in sorted(set.intersection(*(set(sampled[v]) for v in variants))):
+        cells = [
+            f"{sampled[v][step]['mean']:.3f} | {greedy[v][step]['mean']:.3f}" for v in variants
+        ]
+        lines.append(f"| {step + 1} | " + " | ".join(cells) + " |")
+    lines += [
+        "",
+        "| | " + " | ".join(HELD_OUT_NAMES[key] for key in HELD_OUT_KEYS) + " |",
+        "|---|" + "---:|" * len(HELD_OUT_KEYS),
+        *statistics_rows(summary, HELD_OUT_KEYS),
+        "",
+    ]
+    for name, differences in summary["paired"].items():
+        for key in HELD_OUT_KEYS:
+            lines.append(f"- `{name}`, {HELD_OUT_NAMES[key]}: {verdict(differences[key])}")
+    return lines
 
 
 def plot(summary: dict, path: Path) -> None:
@@ -332,6 +417,8 @@ def plot(summary: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     keys = ("reward_mean", "env/tool_success_frac")
+    if summary.get("held_out"):
+        keys += ("eval/sampled_reward_mean",)
     figure, axes = plt.subplots(1, len(keys), figsize=(5.0 * len(keys), 3.4), squeeze=False)
     for axis, key in zip(axes[0], keys):
         for variant, curve in mean_curves(summary, key).items():
@@ -346,7 +433,7 @@ def plot(summary: dict, path: Path) -> None:
                     color=line[0].get_color(),
                     alpha=0.2,
                 )
-        axis.set_xlabel("RL step")
+        axis.set_xlabel("RL step" if not key.startswith("eval/") else "RL step (after update)")
         axis.set_title(key)
         axis.grid(alpha=0.3)
         axis.legend()

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from .harness import GRPO, TINY, Launch, run_train
+from .harness import GRPO, REFERENCE_RUN, TINY, Launch, run_train
 
 
 @pytest.fixture(scope="session")
@@ -19,7 +19,7 @@ def gspo_run(tmp_path_factory) -> Launch:
     its batches recorded (rollout.save_rollouts, replayed by tests/e2e/test_replay.py)."""
     return run_train(
         tmp_path_factory.mktemp("gspo") / "out",
-        ["steps=3", *TINY, "checkpoint.interval=2", "rollout.save_rollouts=true"],
+        list(REFERENCE_RUN),
     )
 
 

@@ -37,6 +37,8 @@ TINY = (
 """Overrides that make a step take about a second on one core (8 samples of at most 8 tokens)."""
 
 GRPO = ("algo.importance_sampling=token", "algo.clip_low=0.2", "algo.clip_high=0.27")
+REFERENCE_RUN = ("steps=3", *TINY, "checkpoint.interval=2", "rollout.save_rollouts=true")
+"""The shared GSPO reference run (conftest.gspo_run); test_resume.py resumes a copy of it."""
 
 REQUIRED_METRICS = (
     "step",

@@ -11,6 +11,7 @@ steps trained again are dropped at the resume).
 from __future__ import annotations
 
 import re
+import shutil
 import time
 
 import pytest
@@ -19,6 +20,7 @@ from megatron_gspo.runtime.checkpoint_files import CheckpointError
 
 from .harness import (
     LAYOUT_DEPENDENT,
+    REFERENCE_RUN,
     TINY,
     assert_records_close,
     assert_records_equal,
@@ -87,15 +89,15 @@ def test_kill_and_resume_two_processes(gspo_run, tmp_path):
 def test_damaged_newest_checkpoint_falls_back_to_the_one_before(gspo_run, tmp_path):
     """A shard file of the newest checkpoint cut short (a full disk while copying it): the resume
     names the file, warns, and continues from the previous complete checkpoint, reproducing the
-    uninterrupted run from there."""
+    uninterrupted run from there. The run is a copy of the shared reference run (checkpoints
+    after steps 2 and 3), resumed with the reference's own settings."""
     from megatron_gspo.engine.checkpoint import resumable_checkpoint
     from megatron_gspo.runtime.checkpoint_files import damaged_files
 
     output_dir = tmp_path / "out"
-    overrides = [*TINY, "checkpoint.interval=1"]
-    run_train(output_dir, ["steps=2", *overrides])
+    shutil.copytree(gspo_run.output_dir, output_dir)
     root = output_dir / "checkpoints"
-    newest, previous = root / "step_000002", root / "step_000001"
+    newest, previous = root / "step_000003", root / "step_000002"
     assert damaged_files(str(newest)) == [] and resumable_checkpoint(str(root)) == str(newest)
     shard = max(newest.glob("*.distcp"), key=lambda path: path.stat().st_size)
     with shard.open("r+b") as handle:
@@ -103,16 +105,16 @@ def test_damaged_newest_checkpoint_falls_back_to_the_one_before(gspo_run, tmp_pa
     (problem,) = damaged_files(str(newest))
     assert problem.startswith(f"{shard}: ") and "truncated" in problem
 
-    resumed = run_train(output_dir, ["steps=3", *overrides, "resume=true"], timeout=240)
+    resumed = run_train(output_dir, [*REFERENCE_RUN, "resume=true"], timeout=240)
     log = resumed.log
-    assert f"resuming from {previous} instead of the newer step_000002" in log, log[-3000:]
+    assert f"resuming from {previous} instead of the newer step_000003" in log, log[-3000:]
     assert str(shard) in log and "Traceback" not in log
     records = resumed.metrics()
     assert [record["step"] for record in records] == [0, 1, 2]
     for reference, actual in zip(gspo_run.metrics(), records):
         assert_records_equal(reference, actual)
 
-    kept = sorted(root.glob("step_*"))  # steps 2 (saved again by the resumed run) and 3
+    kept = sorted(root.glob("step_*"))  # steps 2 and 3 (saved again by the resumed run)
     assert [path.name for path in kept] == ["step_000002", "step_000003"]
     (kept[0] / "common.pt").write_bytes(b"PK\x03\x04")
     (kept[1] / "metadata.json").write_text('{"sharded_backend": ')

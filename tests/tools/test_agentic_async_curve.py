@@ -25,12 +25,21 @@ def load_tool():
     return module
 
 
-def write_run(directory: Path, rewards: list[float], tool_success: float = 0.9) -> None:
+def write_run(
+    directory: Path,
+    rewards: list[float],
+    tool_success: float = 0.9,
+    evaluations: dict[int, tuple[float, float]] | None = None,
+) -> None:
+    """A run's metrics.jsonl; ``evaluations``: per step, its held-out (sampled, greedy) reward."""
     directory.mkdir(parents=True)
     lines = [
         {"step": step, "reward_mean": reward, "env/tool_success_frac": tool_success}
         for step, reward in enumerate(rewards)
     ]
+    for step, (sampled, greedy) in (evaluations or {}).items():
+        lines[step]["eval/sampled_reward_mean"] = sampled
+        lines[step]["eval/greedy_reward_mean"] = greedy
     (directory / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
 
 
@@ -46,6 +55,12 @@ def test_the_runs_differ_only_in_the_asynchronous_settings(tmp_path):
     ]
     assert sync[sync.index("--preset") + 1] == "cpu_tool_use"
     assert "steps=4" in sync and "seed=7" in sync
+    # Both evaluate the same held-out prompts, every 5 steps by default.
+    assert "eval.interval=5" in sync and "data.num_eval_prompts=32" in sync
+    every_two = tool.command(
+        "async", 7, tmp_path, tool.parse_args(["--out", "o", "--eval-every", "2"])
+    )
+    assert "eval.interval=2" in every_two
     # A seed given among the overrides comes after the tool's and wins.
     overridden = tool.command("sync", 7, tmp_path, tool.parse_args(["--out", "o", "seed=3"]))
     assert overridden.index("seed=3") > overridden.index("seed=7")
@@ -144,3 +159,46 @@ def test_reuse_skips_the_runs_already_finished(tmp_path, monkeypatch):
     assert tool.main(["--out", str(out), "--runs", str(runs), "--seed-list", "4", "--reuse"]) == 0
     assert not (runs / "seed_4" / "sync.log").exists()
     assert json.loads((out / "summary.json").read_text())["seeds"] == [4]
+
+
+def test_held_out_evaluations_compare_the_same_number_of_updates(tmp_path):
+    """Two seeds evaluated after steps 1 and 3 (2 and 4 updates): the held-out statistics are
+    the last evaluation's sampled and greedy rewards and the sampled reward's mean over the
+    evaluations, per seed, over seeds and paired; a run without evaluations has none."""
+    runs = tmp_path / "runs"
+    evaluations = {
+        (1, "sync"): {1: (0.50, 0.60), 3: (0.70, 0.80)},
+        (1, "async"): {1: (0.52, 0.61), 3: (0.74, 0.83)},
+        (2, "sync"): {1: (0.40, 0.50), 3: (0.60, 0.70)},
+        (2, "async"): {1: (0.40, 0.52), 3: (0.62, 0.71)},
+    }
+    for (seed, variant), values in evaluations.items():
+        write_run(runs / f"seed_{seed}" / variant, [0.5, 0.6, 0.7, 0.8], evaluations=values)
+    out = tmp_path / "out"
+    tool = load_tool()
+    arguments = ["--out", str(out), "--runs", str(runs), "--plot-only", "--seed-list", "1", "2"]
+    assert tool.main(arguments) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["held_out"] is True
+    seed_one = summary["variants"]["async"]["per_seed"]["1"]
+    assert seed_one["heldout_sampled_final"] == 0.74 and seed_one["heldout_greedy_final"] == 0.83
+    assert math.isclose(seed_one["heldout_sampled_mean"], (0.52 + 0.74) / 2)
+    paired = summary["paired"]["async - sync"]
+    assert math.isclose(paired["heldout_sampled_final"]["mean"], (0.04 + 0.02) / 2)
+    assert math.isclose(paired["heldout_sampled_mean"]["mean"], (0.03 + 0.01) / 2)
+    assert math.isclose(paired["heldout_greedy_final"]["mean"], (0.03 + 0.01) / 2)
+    table = (out / "summary.md").read_text()
+    # The evaluation after step 3 is of the weights after 4 updates: means over the two seeds.
+    assert "| 4 | 0.650 | 0.750 | 0.680 | 0.770 |" in table
+    assert "| 2 | 0.450 | 0.550 | 0.460 | 0.565 |" in table
+    assert "- `async - sync`, held-out reward, final weights: " in table
+    # Runs without evaluations (made before the tool evaluated): no held-out statistics.
+    write_run(runs / "seed_3" / "sync", [0.5, 0.6])
+    write_run(runs / "seed_3" / "async", [0.5, 0.6])
+    assert tool.main([*arguments[:-3], "--seed-list", "3"]) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert (
+        summary["held_out"] is False
+        and "heldout_sampled_final" not in summary["paired"]["async - sync"]
+    )
+    assert "Held-out" not in (out / "summary.md").read_text()
