@@ -421,19 +421,26 @@ def plot(summary: dict, path: Path) -> None:
         keys += ("eval/sampled_reward_mean",)
     figure, axes = plt.subplots(1, len(keys), figsize=(5.0 * len(keys), 3.4), squeeze=False)
     for axis, key in zip(axes[0], keys):
+        # An evaluation logged with step s is of the weights after s + 1 updates (the table's).
+        shift = 1 if key.startswith("eval/") else 0
         for variant, curve in mean_curves(summary, key).items():
             steps = list(curve)
-            line = axis.plot(steps, [curve[s]["mean"] for s in steps], marker=".", label=variant)
+            line = axis.plot(
+                [s + shift for s in steps],
+                [curve[s]["mean"] for s in steps],
+                marker=".",
+                label=variant,
+            )
             banded = [s for s in steps if curve[s]["low"] is not None]
             if banded:
                 axis.fill_between(
-                    banded,
+                    [s + shift for s in banded],
                     [curve[s]["low"] for s in banded],
                     [curve[s]["high"] for s in banded],
                     color=line[0].get_color(),
                     alpha=0.2,
                 )
-        axis.set_xlabel("RL step" if not key.startswith("eval/") else "RL step (after update)")
+        axis.set_xlabel("updates" if shift else "RL step")
         axis.set_title(key)
         axis.grid(alpha=0.3)
         axis.legend()
