@@ -3,7 +3,8 @@
 The GSPO reference runs three steps so that the kill-and-resume test can compare two steps
 after a restart; every other comparison uses its first two. It saves a checkpoint after step 2
 (and the final one): the asynchronous driver's bound-0 test compares its weights and optimizer
-state with it (saving changes no metric).
+state with it (saving changes no metric), and the damaged-checkpoint test resumes a copy of it
+from the first after cutting the second short.
 """
 
 from __future__ import annotations

@@ -109,6 +109,8 @@ def test_damaged_newest_checkpoint_falls_back_to_the_one_before(gspo_run, tmp_pa
     log = resumed.log
     assert f"resuming from {previous} instead of the newer step_000003" in log, log[-3000:]
     assert str(shard) in log and "Traceback" not in log
+    # The resumed run trained step 2 again and saved step 3 over the damaged copy.
+    assert damaged_files(str(newest)) == []
     records = resumed.metrics()
     assert [record["step"] for record in records] == [0, 1, 2]
     for reference, actual in zip(gspo_run.metrics(), records):
