@@ -61,9 +61,12 @@ def run_steps(driver, policies, steps: int, training=None) -> list:
 
 
 def producing(driver) -> None:
-    """Training takes long enough for the engine to start on the next chunk."""
-    producer, engine = driver.source.background, driver.rollout_engine
-    wait_until(lambda: engine.num_running > 0 or len(producer.buffer) >= BATCH)
+    """Training takes long enough for the producer to finish the next chunk at the step's
+    weights. Waiting only until the engine runs its requests raced: a sync that came before
+    their first token paused them, and they generated every token at the new version (a batch
+    one step fresher than the test asserts, seen once in a loaded CI-tier run)."""
+    producer = driver.source.background
+    wait_until(lambda: len(producer.buffer) >= BATCH)
 
 
 def test_bound_zero_gives_the_synchronous_batches(tmp_path, policies):

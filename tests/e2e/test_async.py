@@ -98,11 +98,14 @@ def kill_the_server(launch) -> None:
         launch.process.send_signal(signal.SIGCONT)
 
 
+@pytest.mark.slow
 def test_bound_zero_is_the_synchronous_loop_bit_for_bit(gspo_run, tmp_path):
     """The asynchronous driver at max_staleness 0 (its producer thread generates each batch after
     the step's weight sync) gives the synchronous run's metrics and weights and optimizer state
     after two steps, bit for bit (the synchronous run: the shared GSPO reference, which saves
-    step 2)."""
+    step 2). The full run's: CI checks the driver's batches at bound 0 against the synchronous
+    driver's bit for bit (tests/async_training/test_async_driver.py) and trains asynchronously
+    end to end in tests/e2e/test_agentic.py."""
     overrides = ["steps=2", *TINY, "checkpoint.interval=2", "rollout.max_staleness=0"]
     output_dir = tmp_path / "async"
     worker = [sys.executable, str(Path(__file__).with_name("async_bound_zero.py"))]

@@ -37,10 +37,12 @@ def test_replaying_a_run_reproduces_its_metrics_bit_for_bit(gspo_run, tmp_path):
     assert not (tmp_path / "replay" / "rollouts").exists()  # it records nothing of its own
 
 
+@pytest.mark.slow
 def test_the_same_batches_fed_to_another_loss(gspo_run, grpo_run, tmp_path):
     """GSPO's recorded batches trained with GRPO's loss: step 0's batch is the one GRPO itself
     generated (the same initial weights and seeds), so step 0 is GRPO's run bit for bit; later
-    steps train GSPO's samples, so their rollout metrics are GSPO's and their losses are not."""
+    steps train GSPO's samples, so their rollout metrics are GSPO's and their losses are not.
+    The full run's: CI replays a recording bit for bit above (the loss is the config's)."""
     launch = run_train(
         tmp_path / "replay",
         ["steps=2", *TINY, *GRPO, f"rollout.replay_dir={gspo_run.output_dir}"],

@@ -1,8 +1,9 @@
 """Every parallel layout gives the loss, gradients, updated weights and log-probs of one process.
 
-One torchrun launch per world size runs several layouts one after the other (Megatron groups are
-rebuilt between them); ``layout_worker.py`` compares each with the one-process reference and
-writes its errors per rank. Model: tiny Qwen3-MoE (4 layers, hidden 64, 8 experts top-2, vocab
+One torchrun launch per entry of ``LAUNCHES`` runs several layouts one after the other (Megatron
+groups are rebuilt between them); ``layout_worker.py`` compares each with the one-process
+reference and writes its errors per rank. CI runs ``TWO_PROCESS_CI_RUNS``; the full run adds the
+other two-process layouts and the 4- and 8-process ones. Model: tiny Qwen3-MoE (4 layers, hidden 64, 8 experts top-2, vocab
 64, load-balancing loss on), Qwen2-MoE (shared expert, q/k/v bias, dense first layer) and dense
 Qwen3 with tied embeddings, GLM-4.5 (``glm4``: sigmoid routing with a non-zero correction bias
 that the step updates from token counts all-reduced over tp x cp x dp, groups, scaling, shared
@@ -81,47 +82,71 @@ CASES = (
     "bf16",
 )
 
+TWO_PROCESS_RUNS = [
+    "moe:dp2",
+    "moe:dp2.distopt",
+    "moe:tp2",
+    "moe:pp2",
+    "moe:pp2.vpp2",
+    "moe:ep2",
+    "moe:cp2",
+    "qwen2:tp2",
+    "qwen2:ep2",
+    "qwen2:pp2",
+    "dense:pp2",
+    "dense:cp2",
+    *(f"glm4:{layout}" for layout in ("dp2", "tp2", "ep2", "pp2", "cp2")),
+    # MLA: tp and cp are refused at start on CPU (test_deepseek_v3_refuses_tp_and_cp).
+    *(f"deepseek:{layout}" for layout in ("dp2", "ep2", "pp2")),
+    *(f"{case}:{layout}" for case in CORRECTIONS for layout in ("dp2", "cp2", "pp2")),
+    "cispo:cp2",
+    "gmpo:cp2",
+    "gmpo:pp2",
+    # On-policy distillation's per-token teacher term (GSPO-token): data and context
+    # parallel split the samples and their tokens.
+    "distill:dp2",
+    "distill:cp2",
+    *(f"bf16:{layout}" for layout in ("dp2", "dp2.distopt", "pp2", "tp2", "ep2", "cp2")),
+]
+TWO_PROCESS_CI_RUNS = [
+    # Every dimension on the MoE case.
+    *(f"moe:{layout}" for layout in ("dp2", "dp2.distopt", "tp2", "pp2", "pp2.vpp2", "ep2", "cp2")),
+    "qwen2:tp2",  # the shared expert and the q/k/v bias split by tp
+    "dense:pp2",  # tied embeddings: the last stage's copy of the embedding
+    "glm4:dp2",  # the correction bias's token counts all-reduced over dp
+    "glm4:tp2",  # ... and over tp
+    "deepseek:ep2",  # multi-head latent attention beside expert parallelism
+    "tis:dp2",  # a token-level correction: weights of whole samples moved by dp
+    "geo_mask:cp2",  # a sequence-level one: the all-reduced mean over cp's halves
+    "gmpo:cp2",  # the geometric-mean surrogate over cp's halves
+    "distill:cp2",  # the teacher term per token over cp's halves
+    "bf16:dp2",  # bf16 bit for bit (whole micro-batches moved)
+    "bf16:tp2",  # bf16 within the rounding bound (a product split)
+]
+"""What CI runs at 2 processes (``test_two_process_layouts``, about half the launch's time):
+every dimension once, and each case's parallel-sensitive step in the layout that splits it.
+The full run adds the rest of ``TWO_PROCESS_RUNS`` (``test_two_process_layouts_of_the_full_run``)."""
 LAUNCHES = {
-    2: [
-        "moe:dp2",
-        "moe:dp2.distopt",
-        "moe:tp2",
-        "moe:pp2",
-        "moe:pp2.vpp2",
-        "moe:ep2",
-        "moe:cp2",
-        "qwen2:tp2",
-        "qwen2:ep2",
-        "qwen2:pp2",
-        "dense:pp2",
-        "dense:cp2",
-        *(f"glm4:{layout}" for layout in ("dp2", "tp2", "ep2", "pp2", "cp2")),
-        # MLA: tp and cp are refused at start on CPU (test_deepseek_v3_refuses_tp_and_cp).
-        *(f"deepseek:{layout}" for layout in ("dp2", "ep2", "pp2")),
-        *(f"{case}:{layout}" for case in CORRECTIONS for layout in ("dp2", "cp2", "pp2")),
-        "cispo:cp2",
-        "gmpo:cp2",
-        "gmpo:pp2",
-        # On-policy distillation's per-token teacher term (GSPO-token): data and context
-        # parallel split the samples and their tokens.
-        "distill:dp2",
-        "distill:cp2",
-        *(f"bf16:{layout}" for layout in ("dp2", "dp2.distopt", "pp2", "tp2", "ep2", "cp2")),
-    ],
-    4: [
-        "moe:tp2.ep2",
-        "moe:tp2.ep2.etp2",
-        "moe:pp2.ep2",
-        "moe:tp2.pp2",
-        "moe:tp2.ep2.cp2",
-        "moe:tp2.ep2.distopt",
-        "qwen2:tp2.pp2",
-        "dense:tp2.pp2",
-        "bf16:tp2.ep2",
-        "bf16:tp2.ep2.distopt",
-    ],
-    8: ["moe:tp2.pp2.ep2.cp2"],
+    "two": (2, TWO_PROCESS_CI_RUNS),
+    "two_full": (2, [run for run in TWO_PROCESS_RUNS if run not in TWO_PROCESS_CI_RUNS]),
+    "four": (
+        4,
+        [
+            "moe:tp2.ep2",
+            "moe:tp2.ep2.etp2",
+            "moe:pp2.ep2",
+            "moe:tp2.pp2",
+            "moe:tp2.ep2.cp2",
+            "moe:tp2.ep2.distopt",
+            "qwen2:tp2.pp2",
+            "dense:tp2.pp2",
+            "bf16:tp2.ep2",
+            "bf16:tp2.ep2.distopt",
+        ],
+    ),
+    "eight": (8, ["moe:tp2.pp2.ep2.cp2"]),
 }
+"""One torchrun launch each: ``(world size, runs)``."""
 
 
 @pytest.fixture(scope="module")
@@ -134,15 +159,16 @@ def reference_dir(tmp_path_factory) -> Path:
     return out
 
 
-def _launch(world: int, reference_dir: Path) -> dict:
-    out = reference_dir / f"world{world}"
+def _launch(name: str, reference_dir: Path) -> dict:
+    world, runs = LAUNCHES[name]
+    out = reference_dir / name
     out.mkdir(exist_ok=True)
     for case in CASES:
         link = out / f"reference_{case}.pt"
         if not link.exists():
             link.symlink_to(reference_dir / f"reference_{case}.pt")
     run_worker(
-        [*worker_command(WORKER, world), "--out", str(out), "--runs", *LAUNCHES[world]],
+        [*worker_command(WORKER, world), "--out", str(out), "--runs", *runs],
         timeout=600,
     )
     return {rank: json.loads((out / f"rank{rank}.json").read_text()) for rank in range(world)}
@@ -209,10 +235,10 @@ def _check_bf16_report(layout: str, report: dict, where: str) -> None:
     assert report["metrics"]["skipped"] == 0.0
 
 
-def _check_launch(world: int, reports: dict, reference_dir: Path) -> None:
+def _check_launch(name: str, reports: dict, reference_dir: Path) -> None:
     import torch
 
-    for run in LAUNCHES[world]:
+    for run in LAUNCHES[name][1]:
         case, layout = run.split(":")
         reference = torch.load(reference_dir / f"reference_{case}.pt", weights_only=False)
         names = set()
@@ -241,7 +267,15 @@ def _check_launch(world: int, reports: dict, reference_dir: Path) -> None:
 
 @pytest.mark.distributed
 def test_two_process_layouts(reference_dir):
-    _check_launch(2, _launch(2, reference_dir), reference_dir)
+    _check_launch("two", _launch("two", reference_dir), reference_dir)
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_two_process_layouts_of_the_full_run(reference_dir):
+    """The other cases at 2 processes (the full run: CI runs every dimension and each case's
+    parallel-sensitive step above)."""
+    _check_launch("two_full", _launch("two_full", reference_dir), reference_dir)
 
 
 @pytest.mark.slow
@@ -249,7 +283,7 @@ def test_two_process_layouts(reference_dir):
 def test_four_process_layouts(reference_dir):
     """The pairs of dimensions (the full run: CI runs each dimension at 2 processes, above, and
     tp2 x ep2 at 4 in tests/engine/test_checkpoint.py and the conversion's gather)."""
-    _check_launch(4, _launch(4, reference_dir), reference_dir)
+    _check_launch("four", _launch("four", reference_dir), reference_dir)
 
 
 @pytest.mark.slow
@@ -257,7 +291,7 @@ def test_four_process_layouts(reference_dir):
 def test_eight_process_layout(reference_dir):
     """tp2 + pp2 + ep2 + cp2: every kind of parallelism at once (the full run, as the pairs
     above)."""
-    _check_launch(8, _launch(8, reference_dir), reference_dir)
+    _check_launch("eight", _launch("eight", reference_dir), reference_dir)
 
 
 def test_glm4_correction_bias_moved_in_the_reference(reference_dir):

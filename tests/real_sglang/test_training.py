@@ -55,9 +55,13 @@ def test_grpo_with_r3_and_tensor_weight_sync(sglang_run):
     sglang_run("grpo_r3", [*GRPO, "algo.routing_replay=r3", "rollout.weight_transport=tensor"])
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 def test_gspo_tp2_with_distributed_weight_sync(sglang_run):
     """GSPO (the default loss) under torchrun, two processes (tensor parallel): rank 0 gathers
     the shards and is rank 0 of the update group, whose rendezvous the entry point derives; the
-    other rank only takes part in the gathers."""
+    other rank only takes part in the gathers. The full run's (90 s of CPU on 2 cores): CI
+    syncs into the real server's update group in test_trainer_sync.py (``sync_by_distributed``),
+    derives the rendezvous in tests/weight_sync/test_transports.py and gathers tp x ep shards
+    under torchrun in tests/e2e/test_multinode.py."""
     sglang_run("gspo_tp2", ["parallel.tp=2", "rollout.weight_transport=distributed"], nproc=2)
