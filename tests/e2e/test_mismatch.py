@@ -113,7 +113,9 @@ def test_two_steps_with_a_bf16_engine(runs, name):
 
 def test_each_correction_acts(runs):
     """Truncation and masks bind somewhere in two steps; the weights are those of the mode."""
-    for name in (name for name in CORRECTED if name in runs):
+    for name in CORRECTED:
+        if name not in runs:
+            continue  # one of SLOW_RUNS, not started in CI's tier
         kind = "masked" if "mask" in name else "truncated"
         acted = [r[f"rollout_correction/{kind}_frac_token"] for r in runs[name]]
         assert max(acted) > 0, (name, acted)
