@@ -20,6 +20,7 @@ import torch
 import transformers
 from free_ports import free_port  # tests/free_ports.py: safe beside other workers
 from safetensors.torch import load_file
+from selected_params import selected_params  # tests/selected_params.py
 
 from megatron_gspo.config import ModelConfig
 from megatron_gspo.convert.export import convert_torch_dist_to_hf
@@ -114,9 +115,10 @@ def four_processes(request, hf_root, tmp_path_factory):
     Qwen3, whose last stage holds a copy of the embedding that must not be exported twice.
     Only the runs of the selected tests are launched (CI leaves SLOW_FOUR_PROCESS_RUNS out)."""
     selected = {
-        f"{item.callspec.params['architecture']}_{item.originalname.removeprefix('test_')}"
-        for item in request.session.items
-        if item.originalname in ("test_tp2_ep2", "test_pp2_ep2") and item.module is request.module
+        f"{architecture}_{test.removeprefix('test_')}"
+        for test, architecture in selected_params(
+            request, ("test_tp2_ep2", "test_pp2_ep2"), "architecture"
+        )
     }
     plan = [
         {"name": f"{a}_tp2_ep2", "architecture": a, "tp": 2, "ep": 2 if a != "qwen3" else 1}

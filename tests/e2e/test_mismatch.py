@@ -10,6 +10,7 @@ first rollouts are the same samples from the same bf16 engine: the R2 and R3 run
 from __future__ import annotations
 
 import pytest
+from selected_params import selected_params  # tests/selected_params.py
 
 from .harness import GRPO, TINY, assert_required_metrics, start, tail, train_command
 
@@ -65,10 +66,7 @@ def runs(request, tmp_path_factory) -> dict[str, list[dict]]:
     """The runs of the selected tests (CI leaves SLOW_RUNS out), started together."""
     root = tmp_path_factory.mktemp("mismatch")
     selected = {
-        item.callspec.params["name"]
-        for item in request.session.items
-        if item.originalname == "test_two_steps_with_a_bf16_engine"
-        and item.module is request.module
+        name for _, name in selected_params(request, ("test_two_steps_with_a_bf16_engine",), "name")
     }
     launches = {
         name: start(
