@@ -4,37 +4,41 @@ seeds, and the paired difference.
 
     python tools/agentic_async_curve.py --out docs/agentic_async --seeds 3
 
-Runs ``python -m megatron_gspo.train --preset cpu_tool_use`` twice per seed (the calculator
-unconfined, ``env.options.isolation=none``; the sandbox does not change the numbers):
+Runs ``python -m megatron_gspo.train --preset cpu_tool_use`` once per seed and variant (the
+calculator unconfined, ``env.options.isolation=none``; the sandbox does not change the numbers).
+``--variants`` picks them (default: ``sync async``):
 
-* ``sync``: the preset as it is (``rollout.max_staleness=0``);
+* ``sync``: the preset as it is (``rollout.max_staleness=0``), the baseline of every comparison;
 * ``async``: ``rollout.max_staleness=1`` with the sequence-level correction toward the engine's
   per-token behaviour log-probs (``algo.rollout_correction.level=sequence``, what docs/async.md
-  recommends for GSPO one step off-policy); the old log-probs are recomputed (the preset's).
+  recommends for GSPO one step off-policy); the old log-probs are recomputed (the preset's);
+* ``async_token``: ``rollout.max_staleness=1`` with one truncated weight per token,
+  ``min(pi_prox / mu, 2)`` (``algo.rollout_correction.level=token``: AReaL's decoupled
+  objective with its behaviour-weight cap).
 
-``--seeds N`` runs the seeds 1234 (the preset's), 1235, ... (``--seed-list`` names them); both
+``--seeds N`` runs the seeds 1234 (the preset's), 1235, ... (``--seed-list`` names them); all
 variants of a seed start from the same supervised cold start (the preset's 100 steps: the same
-weights at RL step 0), so the two runs of a seed form a pair. The default, ``--seeds 1``, is the
+weights at RL step 0), so the runs of a seed are paired. The default, ``--seeds 1``, is the
 preset's seed alone.
 
-Both variants evaluate their weights on the same held-out prompts every ``--eval-every`` steps
+Every variant evaluates its weights on the same held-out prompts every ``--eval-every`` steps
 (``eval.interval``; ``--eval-prompts`` prompts, ``data.num_eval_prompts``): one greedy episode
 and ``eval.num_samples`` (4) sampled at ``eval.temperature`` (1.0, the training temperature)
 per prompt. The training reward of step ``s`` is that of the episodes step ``s`` trains on,
-which the asynchronous run sampled with the weights of the step before (and, for a turn after a
+which an asynchronous run sampled with the weights of the step before (and, for a turn after a
 weight sync, of step ``s``): its training curve lags by up to one update for that reason alone.
-The held-out reward is measured on the weights after the same number of updates in both runs,
+The held-out reward is measured on the weights after the same number of updates in every run,
 so it compares how much they learned, not when they sampled.
 
 Writes ``OUT/summary.json`` (per variant and seed every step's reward and tool metrics, the mean
 reward of the last ``--last`` steps, the area under the reward curve, the held-out rewards, the
 wall time; per variant their means over seeds with a 95% interval; the paired difference
-async - sync per seed with its interval: ``tools/compare_statistics.py``), ``OUT/summary.md``
+of each variant from sync per seed with its interval: ``tools/compare_statistics.py``), ``OUT/summary.md``
 (the tables docs/agentic.md shows) and ``OUT/reward.png`` (each variant's mean curve, with its
-95% band over seeds). The runs go to ``--runs DIR`` (``DIR/seed_S/sync``, ``DIR/seed_S/async``;
-default ``outputs/agentic_async``); ``--plot-only`` re-reads runs already made, ``--reuse`` runs
-only the runs the tool has not finished before; ``--parallel`` runs a seed's two variants at
-once (the seeds one after the other).
+95% band over seeds). The runs go to ``--runs DIR`` (``DIR/seed_S/VARIANT``; default
+``outputs/agentic_async``); ``--plot-only`` re-reads runs already made, ``--reuse`` runs only the
+runs the tool has not finished before; ``--parallel`` runs a seed's variants at once (the seeds
+one after the other).
 """
 
 from __future__ import annotations
@@ -60,7 +64,9 @@ COMMON = ["--preset", "cpu_tool_use", "env.options.isolation=none", "logging.pro
 VARIANTS = {
     "sync": [],
     "async": ["rollout.max_staleness=1", "algo.rollout_correction.level=sequence"],
+    "async_token": ["rollout.max_staleness=1", "algo.rollout_correction.level=token"],
 }
+DEFAULT_VARIANTS = ["sync", "async"]
 BASELINE = "sync"
 # The preset does not set ``seed``: TrainConfig's default (tests/tools checks they agree), so
 # ``--seeds 1`` is the preset's own run.
@@ -96,7 +102,15 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         "--runs",
         type=Path,
         default=REPO_ROOT / "outputs" / "agentic_async",
-        help="the runs' output directories (DIR/seed_S/sync, DIR/seed_S/async)",
+        help="the runs' output directories (DIR/seed_S/VARIANT)",
+    )
+    parser.add_argument(
+        "--variants",
+        nargs="+",
+        choices=list(VARIANTS),
+        default=DEFAULT_VARIANTS,
+        help=f"the variants to run and compare (default: {' '.join(DEFAULT_VARIANTS)}; "
+        f"{BASELINE} is the baseline and always runs)",
     )
     seeds = parser.add_mutually_exclusive_group()
     seeds.add_argument(
@@ -130,6 +144,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         parser.error("--eval-every and --eval-prompts must be at least 1")
     if len(set(args.seed_list)) != len(args.seed_list):
         parser.error(f"--seed-list repeats a seed: {args.seed_list}")
+    # The baseline first: the tables and the paired differences are read against it.
+    args.variants = [BASELINE, *dict.fromkeys(v for v in args.variants if v != BASELINE)]
     return args
 
 
@@ -160,7 +176,7 @@ def run_seed(args: argparse.Namespace, seed: int) -> None:
     leaves its :data:`RUN_RECORD` (wall seconds, command) beside its metrics."""
     environment = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
     pending = {}
-    for variant in VARIANTS:
+    for variant in args.variants:
         directory = run_directory(args.runs, seed, variant)
         if args.reuse and (directory / RUN_RECORD).exists():
             continue
@@ -286,17 +302,18 @@ def interval_text(interval: dict, digits: int = 3) -> str:
     return f"{interval['mean']:.{digits}f} [{interval['low']:.{digits}f}, {interval['high']:.{digits}f}]"
 
 
-def verdict(difference: dict) -> str:
-    """What the paired interval of ``async - sync`` says, in words."""
+def verdict(difference: dict, name: str) -> str:
+    """What the paired interval of ``name`` (``variant - baseline``) says, in words."""
+    variant, baseline = name.split(" - ")
     if difference["excludes_zero"] is None:
         return "one seed: no interval, so no conclusion"
     if difference["low"] > 0:
-        return "async above sync (the interval excludes zero)"
+        return f"{variant} above {baseline} (the interval excludes zero)"
     if difference["high"] < 0:
-        return "async below sync (the interval excludes zero)"
+        return f"{variant} below {baseline} (the interval excludes zero)"
     return (
-        f"no difference detected: the interval contains zero; async is at most "
-        f"{-difference['low']:.3f} below sync at 95%"
+        f"no difference detected: the interval contains zero; {variant} is at most "
+        f"{-difference['low']:.3f} below {baseline} at 95%"
     )
 
 
@@ -359,8 +376,8 @@ def markdown(summary: dict, every: int) -> str:
     lines += statistics_rows(summary, statistics_keys(last))
     lines.append("")
     for name, differences in summary["paired"].items():
-        lines.append(f"- `{name}`, last {last} steps: {verdict(differences[final_key])}")
-        lines.append(f"- `{name}`, reward AUC: {verdict(differences['reward_auc'])}")
+        lines.append(f"- `{name}`, last {last} steps: {verdict(differences[final_key], name)}")
+        lines.append(f"- `{name}`, reward AUC: {verdict(differences['reward_auc'], name)}")
     if summary.get("held_out"):
         lines += ["", *held_out_markdown(summary)]
     return "\n".join(lines) + "\n"
@@ -384,7 +401,7 @@ def held_out_markdown(summary: dict) -> list[str]:
     sampled = mean_curves(summary, "eval/sampled_reward_mean")
     greedy = mean_curves(summary, "eval/greedy_reward_mean")
     lines = [
-        "Held-out evaluation: the weights after the same number of updates in both runs, on the "
+        "Held-out evaluation: the weights after the same number of updates in every run, on the "
         "same held-out prompts (sampled episodes at the training temperature, and greedy ones).",
         "",
         "| updates | " + " | ".join(f"{v} held-out reward | {v} greedy" for v in variants) + " |",
@@ -404,7 +421,7 @@ def held_out_markdown(summary: dict) -> list[str]:
     ]
     for name, differences in summary["paired"].items():
         for key in HELD_OUT_KEYS:
-            lines.append(f"- `{name}`, {HELD_OUT_NAMES[key]}: {verdict(differences[key])}")
+            lines.append(f"- `{name}`, {HELD_OUT_NAMES[key]}: {verdict(differences[key], name)}")
     return lines
 
 
@@ -464,10 +481,10 @@ def main(argv: list[str] | None = None) -> int:
             seed: read_records(run_directory(args.runs, seed, variant) / "metrics.jsonl")
             for seed in args.seed_list
         }
-        for variant in VARIANTS
+        for variant in args.variants
     }
     summary = summarize(records, args.last)
-    for variant in VARIANTS:
+    for variant in args.variants:
         for seed in args.seed_list:
             record = run_directory(args.runs, seed, variant) / RUN_RECORD
             if record.exists():  # runs made by this tool; none for runs made otherwise

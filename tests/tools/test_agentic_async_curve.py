@@ -66,6 +66,21 @@ def test_the_runs_differ_only_in_the_asynchronous_settings(tmp_path):
     assert overridden.index("seed=3") > overridden.index("seed=7")
 
 
+def test_variants_are_chosen_and_the_baseline_always_runs_first(tmp_path):
+    tool = load_tool()
+    assert tool.parse_args(["--out", "o"]).variants == ["sync", "async"]
+    chosen = tool.parse_args(["--out", "o", "--variants", "async_token", "async"]).variants
+    assert chosen == ["sync", "async_token", "async"]
+    args = tool.parse_args(["--out", "o", "--variants", "async_token"])
+    sync = tool.command("sync", 7, tmp_path / "sync", args)
+    token = tool.command("async_token", 7, tmp_path / "token", args)
+    assert [a for a in token if a not in sync] == [
+        "rollout.max_staleness=1",
+        "algo.rollout_correction.level=token",
+        f"output_dir={tmp_path / 'token'}",
+    ]
+
+
 def test_seeds_start_at_the_presets_own_seed(tmp_path):
     from megatron_gspo.config import ConfigWarning
     from megatron_gspo.config.loader import load_config
@@ -202,3 +217,30 @@ def test_held_out_evaluations_compare_the_same_number_of_updates(tmp_path):
         and "heldout_sampled_final" not in summary["paired"]["async - sync"]
     )
     assert "Held-out" not in (out / "summary.md").read_text()
+
+
+def test_each_variant_is_paired_with_the_baseline(tmp_path):
+    """Three variants, two seeds: each asynchronous variant gets its own paired difference from
+    sync, its own column and verdicts named after it."""
+    runs = tmp_path / "runs"
+    for seed in (1, 2):
+        base = [0.5 + 0.1 * seed + 0.01 * step for step in range(4)]
+        write_run(runs / f"seed_{seed}" / "sync", base)
+        write_run(runs / f"seed_{seed}" / "async", [r - 0.02 * seed for r in base])
+        write_run(runs / f"seed_{seed}" / "async_token", [r + 0.01 * seed for r in base])
+    out = tmp_path / "out"
+    arguments = ["--out", str(out), "--runs", str(runs), "--plot-only", "--last", "2"]
+    variants = ["--variants", "async", "async_token", "--seed-list", "1", "2"]
+    assert load_tool().main([*arguments, *variants]) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert list(summary["variants"]) == ["sync", "async", "async_token"]
+    assert list(summary["paired"]) == ["async - sync", "async_token - sync"]
+    token = summary["paired"]["async_token - sync"]["reward_mean_last_2"]
+    assert math.isclose(token["mean"], 0.015) and token["seeds"] == [1, 2]
+    asynchronous = summary["paired"]["async - sync"]["reward_mean_last_2"]
+    assert math.isclose(asynchronous["mean"], -0.03)
+    table = (out / "summary.md").read_text()
+    # Seed 2's per-seed row: one paired column per asynchronous variant.
+    assert "| 2 | 0.725 | 0.715 | 0.685 | 0.675 | 0.745 | 0.735 | -0.040 | +0.020 |" in table
+    assert "- `async_token - sync`, last 2 steps: no difference detected" in table
+    assert "async_token is at most" in table
