@@ -273,14 +273,24 @@ def long_responses(cfg: TrainConfig) -> TrainConfig:
     return cfg
 
 
+def hold_the_generation(engine) -> None:
+    """Wait until the embedded engine generates, then freeze it between two decode steps
+    (``pause("in_place")``) past the start of its decode loop, which reads the abort epoch: an
+    abort or a stop then lands inside the generation however fast the machine decodes (a fast
+    CPU decoded all 120 tokens within the 0.1 s a bare sleep had left it)."""
+    wait_until(lambda: engine.num_running > 0)
+    engine.pause("in_place")
+    time.sleep(0.1)
+
+
 def abort_when_generating(engine) -> threading.Thread:
     """Abort the embedded engine's generation once it runs (from another thread, as the
     background producer's stop does)."""
 
     def abort() -> None:
-        wait_until(lambda: engine.num_running > 0)
-        time.sleep(0.1)  # past the start of the decode loop, which reads the abort epoch
+        hold_the_generation(engine)
         engine.abort()
+        engine.resume()
 
     thread = threading.Thread(target=abort)
     thread.start()
@@ -304,9 +314,7 @@ def test_work_cancelled_at_shutdown_is_not_a_training_warning(tmp_path, policies
     with ExitStack() as resources:
         driver = build_rollout_driver(cfg, resources, background=True)
         batches = run_steps(driver, policies, steps=1)
-        engine = driver.rollout_engine
-        wait_until(lambda: engine.num_running > 0)  # step 1's chunk, which no step trains
-        time.sleep(0.1)
+        hold_the_generation(driver.rollout_engine)  # step 1's chunk, which no step trains
     assert not any(s.finish_reason == "abort" for s in batches[0].samples)
     assert not aborted_warnings(caplog), aborted_warnings(caplog)
     cancelled = [r for r in caplog.records if "cancelled" in r.getMessage()]
