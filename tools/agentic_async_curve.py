@@ -13,8 +13,8 @@ calculator unconfined, ``env.options.isolation=none``; the sandbox does not chan
   per-token behaviour log-probs (``algo.rollout_correction.level=sequence``, what docs/async.md
   recommends for GSPO one step off-policy); the old log-probs are recomputed (the preset's);
 * ``async_token``: ``rollout.max_staleness=1`` with one truncated weight per token,
-  ``min(pi_prox / mu, 2)`` (``algo.rollout_correction.level=token``: AReaL's decoupled
-  objective with its behaviour-weight cap).
+  ``min(pi_prox / mu, 2)`` (``algo.rollout_correction.level=token``: the decoupled objective's
+  per-token behaviour weight, docs/async.md).
 
 ``--seeds N`` runs the seeds 1234 (the preset's), 1235, ... (``--seed-list`` names them); all
 variants of a seed start from the same supervised cold start (the preset's 100 steps: the same
@@ -32,13 +32,13 @@ so it compares how much they learned, not when they sampled.
 
 Writes ``OUT/summary.json`` (per variant and seed every step's reward and tool metrics, the mean
 reward of the last ``--last`` steps, the area under the reward curve, the held-out rewards, the
-wall time; per variant their means over seeds with a 95% interval; the paired difference
-of each variant from sync per seed with its interval: ``tools/compare_statistics.py``), ``OUT/summary.md``
-(the tables docs/agentic.md shows) and ``OUT/reward.png`` (each variant's mean curve, with its
-95% band over seeds). The runs go to ``--runs DIR`` (``DIR/seed_S/VARIANT``; default
-``outputs/agentic_async``); ``--plot-only`` re-reads runs already made, ``--reuse`` runs only the
-runs the tool has not finished before; ``--parallel`` runs a seed's variants at once (the seeds
-one after the other).
+wall time; per variant their means over seeds with a 95% interval; the paired difference of
+each variant from sync per seed with its interval: ``tools/compare_statistics.py``),
+``OUT/summary.md`` (the tables docs/agentic.md shows) and ``OUT/reward.png`` (each variant's
+mean curve, with its 95% band over seeds). The runs go to ``--runs DIR``
+(``DIR/seed_S/VARIANT``; default ``outputs/agentic_async``); ``--plot-only`` re-reads runs
+already made, ``--reuse`` runs only the runs the tool has not finished before; ``--parallel``
+runs a seed's variants at once (the seeds one after the other).
 """
 
 from __future__ import annotations
