@@ -12,7 +12,6 @@ from __future__ import annotations
 import os
 import shlex
 import shutil
-import socket
 import subprocess
 import sys
 import textwrap
@@ -20,6 +19,7 @@ import time
 from pathlib import Path
 
 import pytest
+from free_ports import free_port  # tests/free_ports.py: safe beside other workers
 
 from megatron_gspo.rollout.sglang_launcher import build_launch_command
 
@@ -283,9 +283,11 @@ def stand_ins(tmp_path: Path) -> dict:
     trainer = tmp_path / "torchrun"
     trainer.write_text(f"#!{sys.executable}\n" + textwrap.dedent(STUB_TRAINER))
     trainer.chmod(0o755)
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    # Not a port from bind(0): that is the ephemeral range, where another worker's connection
+    # can take it before the stand-in server binds it (tests/free_ports.py). On a fast Zen 5
+    # the dedicated-server test found its stand-in gone before it read its /proc entry: most
+    # likely that bind failed.
+    port = free_port()
     env = {
         "STUB_DIR": str(tmp_path),
         "TORCHRUN": str(trainer),
